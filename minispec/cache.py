@@ -1,0 +1,231 @@
+"""Paged KV cache: a block pool, per-sequence block tables, rollback and fork.
+
+Two layers, after vLLM's PagedAttention and nano-vllm's block manager:
+
+- `BlockAllocator` is plain Python (no torch): a free list and reference
+  counts. Blocks are shared between sequences by `fork` (refcount + 1) and go
+  back to the pool when their last owner lets go.
+- `PagedKVCache` owns the tensors: per-layer K and V pools of shape
+  (num_blocks, block_size, n_kv_heads, head_dim), plus each sequence's block
+  table and length. Token t of a sequence lives at slot
+  `table[t // block_size] * block_size + t % block_size`.
+
+Writing is copy-on-write: before a sequence writes into a block that another
+sequence also holds (a forked partial block), it gets a private copy.
+Rollback after a rejected draft is `truncate(seq, new_len)`; attention masks
+by length, so stale entries past the length are never read.
+Running out of blocks raises `CacheExhausted` before anything changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheExhausted(RuntimeError):
+    """The block pool cannot hold what was asked; nothing was changed."""
+
+
+class BlockAllocator:
+    """A free list and reference counts over `num_blocks` block ids."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self) -> int:
+        if not self.free_ids:
+            raise CacheExhausted(f"all {self.num_blocks} KV blocks are in use")
+        b = self.free_ids.pop()
+        self.refcount[b] = 1
+        return b
+
+    def share(self, block: int) -> int:
+        """One more owner for `block` (used by fork)."""
+        if self.refcount[block] < 1:
+            raise ValueError(f"block {block} is not allocated")
+        self.refcount[block] += 1
+        return block
+
+    def free(self, block: int) -> None:
+        """One owner fewer; the block returns to the pool with its last owner."""
+        if self.refcount[block] < 1:
+            raise ValueError(f"double free of block {block}")
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free_ids.append(block)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a forward pass reads and writes K/V. Built once per forward, passed to every layer.
+
+    B sequences, each with n_b new tokens, right-padded to T = max n_b.
+    """
+
+    positions: torch.Tensor  # (B, T) absolute position of each new token (padding: 0)
+    write_slots: torch.Tensor  # (N,) pool slot of each valid new token, in (b, t) row-major order
+    valid: torch.Tensor  # (B, T) bool: which new-token entries are real (not padding)
+    read_slots: torch.Tensor  # (B, L) pool slots of each sequence's whole context, L = max context length
+    mask: torch.Tensor  # (B, 1, T, L) bool: query t may attend key j (causal and within the length)
+
+
+class PagedKVCache:
+    """K/V pools for every layer, and the block tables of the sequences that use them."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int | None = None,
+                 block_size: int = 16, memory_bytes: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        bytes_per_block = 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if num_blocks is None:
+            if memory_bytes is None:
+                raise ValueError("give PagedKVCache either num_blocks or memory_bytes")
+            num_blocks = memory_bytes // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"memory_bytes={memory_bytes} holds no block (one block needs {bytes_per_block} bytes)")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        # (n_layers, num_blocks * block_size, n_kv_heads, head_dim): a flat slot axis per layer
+        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._ids = itertools.count()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    # ---- sequence bookkeeping (no tensors touched except by copy-on-write) ----
+
+    def new_sequence(self) -> int:
+        sid = next(self._ids)
+        self.tables[sid] = []
+        self.lengths[sid] = 0
+        return sid
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing all of `seq`'s blocks (same prefix, no copy)."""
+        child = self.new_sequence()
+        self.tables[child] = [self.allocator.share(b) for b in self.tables[seq]]
+        self.lengths[child] = self.lengths[seq]
+        return child
+
+    def free(self, seq: int) -> None:
+        for b in self.tables.pop(seq):
+            self.allocator.free(b)
+        del self.lengths[seq]
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        """Roll `seq` back to its first `new_len` tokens; tail blocks return to the pool."""
+        if not 0 <= new_len <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence {seq} of length {self.lengths[seq]} to {new_len}")
+        table = self.tables[seq]
+        keep = self.blocks_for(new_len)
+        for b in table[keep:]:
+            self.allocator.free(b)
+        del table[keep:]
+        self.lengths[seq] = new_len
+
+    def _blocks_needed(self, seq: int, n_new: int) -> int:
+        """Fresh blocks `seq` needs to append n_new tokens, counting a copy-on-write copy."""
+        length, table = self.lengths[seq], self.tables[seq]
+        need = self.blocks_for(length + n_new) - len(table)
+        if n_new > 0 and length % self.block_size and self.allocator.refcount[table[-1]] > 1:
+            need += 1  # the shared partial last block gets a private copy
+        return need
+
+    def reserve(self, seqs: list[int], n_new: list[int]) -> list[list[int]]:
+        """Make room to append n_new[i] tokens to seqs[i]; return each one's new slots.
+
+        All-or-nothing: if the pool cannot hold everything, raise CacheExhausted
+        before any block is allocated or copied. Lengths grow by n_new.
+        """
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence appears twice in one reserve call")
+        need = sum(self._blocks_needed(s, n) for s, n in zip(seqs, n_new))
+        if need > self.allocator.num_free:
+            raise CacheExhausted(
+                f"KV cache exhausted: appending {sum(n_new)} tokens needs {need} free blocks, "
+                f"{self.allocator.num_free} of {self.num_blocks} are free (block_size={self.block_size}); "
+                f"make the cache larger (num_blocks / memory_bytes) or free finished sequences")
+        out = []
+        bs = self.block_size
+        for s, n in zip(seqs, n_new):
+            table, length = self.tables[s], self.lengths[s]
+            if n > 0 and length % bs and self.allocator.refcount[table[-1]] > 1:
+                old, new = table[-1], self.allocator.allocate()
+                self.k[:, new * bs:(new + 1) * bs] = self.k[:, old * bs:(old + 1) * bs]
+                self.v[:, new * bs:(new + 1) * bs] = self.v[:, old * bs:(old + 1) * bs]
+                self.allocator.free(old)
+                table[-1] = new
+            while len(table) < self.blocks_for(length + n):
+                table.append(self.allocator.allocate())
+            out.append([table[t // bs] * bs + t % bs for t in range(length, length + n)])
+            self.lengths[s] = length + n
+        return out
+
+    def slots(self, seq: int) -> list[int]:
+        """Pool slots of every token `seq` holds, in order."""
+        bs, table = self.block_size, self.tables[seq]
+        return [table[t // bs] * bs + t % bs for t in range(self.lengths[seq])]
+
+    # ---- attention metadata ----
+
+    def prepare(self, seqs: list[int], n_new: list[int]) -> AttentionMetadata:
+        """Reserve room for the new tokens and build the metadata for one forward pass."""
+        starts = [self.lengths[s] for s in seqs]
+        new_slots = self.reserve(seqs, n_new)
+        B, T = len(seqs), max(n_new)
+        ctx = [st + n for st, n in zip(starts, n_new)]
+        L = max(ctx)
+        dev = self.device
+        positions = torch.zeros(B, T, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        read = torch.zeros(B, L, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            positions[b, :n_new[b]] = torch.arange(starts[b], ctx[b])
+            valid[b, :n_new[b]] = True
+            read[b, :ctx[b]] = torch.tensor(self.slots(s), dtype=torch.long)
+        write = torch.tensor([x for sl in new_slots for x in sl], dtype=torch.long)
+        key_pos = torch.arange(L)
+        # key j is visible to the query at absolute position p iff j <= p (the context is causal)
+        mask = key_pos.view(1, 1, 1, L) <= positions.view(B, 1, T, 1)
+        # padding queries see key 0 only, so softmax stays finite; their outputs are discarded
+        mask = mask | (~valid).view(B, 1, T, 1) & (key_pos == 0).view(1, 1, 1, L)
+        return AttentionMetadata(positions.to(dev), write.to(dev), valid.to(dev), read.to(dev), mask.to(dev))
+
+    def check_consistency(self) -> None:
+        """Assert that the refcounts equal the block-table references (used by the tests)."""
+        counts = [0] * self.num_blocks
+        for s, table in self.tables.items():
+            assert len(table) == self.blocks_for(self.lengths[s]), f"sequence {s}: table/length mismatch"
+            for b in table:
+                counts[b] += 1
+        assert counts == self.allocator.refcount, "refcounts differ from block-table references"
+        free = set(self.allocator.free_ids)
+        assert len(free) == len(self.allocator.free_ids), "a block is on the free list twice"
+        assert free == {b for b in range(self.num_blocks) if counts[b] == 0}, "free list differs from unreferenced blocks"

@@ -1,0 +1,107 @@
+"""ModelConfig: the one description of a minispec Transformer.
+
+A checkpoint's config.json is this dataclass as JSON. Derived sizes (head_dim,
+ffn_dim, n_kv_heads) are filled in only where the caller left them unset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int  # number of token ids; embedding and lm_head rows
+    dim: int  # residual stream width (hidden_size)
+    n_layers: int  # number of transformer blocks
+    n_heads: int  # query heads per attention layer
+    n_kv_heads: int | None = None  # key/value heads (GQA); None = n_heads (MHA), 1 = MQA
+    head_dim: int | None = None  # per-head width; None = dim // n_heads
+    ffn_dim: int | None = None  # SwiGLU hidden width; None = Llama's rule (8/3 * dim rounded up to 256)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: dict | None = None  # None, or Llama-3 style {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    max_seq_len: int = 2048  # longest sequence (prompt + generated) the model accepts
+    tie_embeddings: bool = True  # lm_head shares the embedding matrix
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
+    bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
+    eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim explicitly")
+            self.head_dim = self.dim // self.n_heads
+        if self.ffn_dim is None:
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.ffn_dim = 256 * ((hidden + 255) // 256)
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("norm_eps and rope_theta must be positive")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3'); got {self.rope_scaling}")
+        for tid in self.stop_ids + ((self.bos_id,) if self.bos_id is not None else ()):
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The eos id(s) as a tuple: the default stop tokens for generation."""
+        if self.eos_id is None:
+            return ()
+        return tuple(self.eos_id) if isinstance(self.eos_id, (list, tuple)) else (self.eos_id,)
+
+    def to_dict(self) -> dict:
+        return {"format": "minispec", "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+        d = dict(d)
+        d.pop("format", None)
+        version = d.pop("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{source}: format_version {version} is not supported (this minispec reads {FORMAT_VERSION})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # missing required fields
+            raise ValueError(f"{source}: {e}") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> "ModelConfig":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d, source=path)

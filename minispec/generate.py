@@ -1,0 +1,103 @@
+"""Autoregressive generation over the paged KV cache: prefill, then one token per step.
+
+`generate` takes one prompt (a list of ids) or a ragged batch (a list of
+lists). All sequences are prefilled together in one forward pass, then decode
+together; a sequence that stops leaves the batch and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .sampling import SamplingParams, logits_to_probs, make_generators, sample
+
+OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
+
+
+def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
+    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises ValueError on bad input."""
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
+    if hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("empty prompt: give at least one token id (e.g. the bos token)")
+    single = not isinstance(prompts[0], (list, tuple))
+    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    cfg = model.config
+    for i, p in enumerate(batch):
+        where = "prompt" if single else f"prompt {i}"
+        if not p:
+            raise ValueError(f"{where} is empty: give at least one token id (e.g. the bos token)")
+        for t in p:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"{where} holds {t!r}; token ids must be integers")
+            if not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
+        if len(p) > cfg.max_seq_len:
+            raise ValueError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
+    return batch, single
+
+
+def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
+    """None -> the config's eos id(s); an iterable of ids -> those ([] disables stopping)."""
+    if stop_tokens is None:
+        return frozenset(model.config.stop_ids)
+    if isinstance(stop_tokens, int):
+        stop_tokens = [stop_tokens]
+    return frozenset(int(t) for t in stop_tokens)
+
+
+def check_max_new_tokens(n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+
+
+def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, stop_tokens=None,
+             on_tokens: OnTokens | None = None, block_size: int = 16):
+    """Generate up to max_new_tokens after each prompt.
+
+    prompts: list[int] (one prompt) or list[list[int]] (a ragged batch).
+    temperature 0 is greedy; top_k / top_p filter as in Hugging Face.
+    seed: sequence i of a batch samples from a generator seeded with seed + i.
+    stop_tokens: ids that end a sequence (kept in the output); None = the eos id(s).
+    on_tokens(i, tokens): called as tokens are committed, for streaming.
+    A sequence also stops at the model's max_seq_len.
+    Returns the new tokens only: list[int], or list[list[int]] for a batch.
+    """
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    check_max_new_tokens(max_new_tokens)
+    batch, single = normalize_prompts(model, prompts)
+    stops = resolve_stop_tokens(model, stop_tokens)
+    out: list[list[int]] = [[] for _ in batch]
+    if max_new_tokens == 0:
+        return out[0] if single else out
+    max_len = model.config.max_seq_len
+    budget = [min(max_new_tokens, max_len - len(p)) for p in batch]  # prompt + output <= max_seq_len
+    active = [i for i in range(len(batch)) if budget[i] > 0]
+    if not active:
+        return out[0] if single else out
+    need_blocks = sum(-(-(len(batch[i]) + budget[i]) // block_size) for i in active)
+    cache = model.new_cache(num_blocks=need_blocks, block_size=block_size)
+    gens = make_generators(seed, len(batch))
+    seqs = {i: cache.new_sequence() for i in active}
+    logits = model.step(cache, [seqs[i] for i in active], [batch[i] for i in active])  # prefill: (B, vocab)
+    while active:
+        probs = logits_to_probs(logits, params)
+        still, next_tokens = [], []
+        for row, i in enumerate(active):
+            tok = sample(probs[row], gens[i])
+            out[i].append(tok)
+            if on_tokens is not None:
+                on_tokens(i, [tok])
+            if tok in stops or len(out[i]) >= budget[i]:
+                cache.free(seqs[i])
+            else:
+                still.append(i)
+                next_tokens.append([tok])
+        active = still
+        if active:
+            logits = model.step(cache, [seqs[i] for i in active], next_tokens)
+    return out[0] if single else out

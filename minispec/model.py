@@ -1,0 +1,259 @@
+"""A Llama-family decoder-only transformer, written from scratch.
+
+RMSNorm, rotary position embeddings (rotate-half, as in Hugging Face's Llama),
+grouped-query attention, SwiGLU feed-forward, tied or untied lm_head.
+Module names follow the Hugging Face checkpoint names (without the "model."
+prefix), so converting a checkpoint is a rename, not a reshuffle.
+
+Two ways to run it:
+- `model(tokens)`: a full causal forward over (B, T) tokens; keeps no state.
+- `model.step(cache, seqs, new_tokens)`: appends ragged new tokens to the
+  sequences' paged KV cache and returns their logits (prefill and decode).
+
+References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoFormer),
+Ainslie et al. 2023 (GQA), Shazeer 2020 (GLU variants), Kwon et al. 2023 (PagedAttention).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import AttentionMetadata, PagedKVCache
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, as Hugging Face does, then cast back
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama-3 style scaling when configured."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs is not None and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: (B, T, H, D); cos, sin: (B, T, 1, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                cache: PagedKVCache | None, meta: AttentionMetadata | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:  # full causal forward over exactly these tokens
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            # write the valid new tokens' K/V into their slots, then read each sequence's whole context
+            kc, vc = cache.k[layer], cache.v[layer]  # (num_slots, Hkv, D)
+            if T == 1:
+                kc[meta.write_slots] = k[:, 0].to(kc.dtype)
+                vc[meta.write_slots] = v[:, 0].to(vc.dtype)
+            else:
+                kc[meta.write_slots] = k[meta.valid].to(kc.dtype)
+                vc[meta.write_slots] = v[meta.valid].to(vc.dtype)
+            keys = kc[meta.read_slots].to(q.dtype)  # (B, L, Hkv, D)
+            vals = vc[meta.read_slots].to(q.dtype)  # (B, L, Hkv, D)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                                 attn_mask=meta.mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg = config
+        self.tokenizer = None  # attached by from_pretrained when the checkpoint has one
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        self.init_rope()
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+        self.eval()
+
+    def init_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the RoPE cos/sin tables from the config: buffers, never saved."""
+        inv_freq = rope_frequencies(self.config)
+        angles = torch.outer(torch.arange(self.config.max_seq_len, dtype=torch.float32), inv_freq)  # (S, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (S, D): rotate-half layout
+        if device is not None:
+            angles = angles.to(device)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def _rope(self, positions: torch.Tensor):
+        # positions: (B, T) -> cos, sin: (B, T, 1, D) in the activations' dtype
+        cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
+        sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
+        return cos, sin
+
+    def _trunk(self, tokens, positions, cache=None, meta=None) -> torch.Tensor:
+        x = self.embed_tokens(tokens)  # (B, T, dim)
+        cos, sin = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, meta)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (..., dim) -> logits (..., vocab)."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full causal forward: tokens (B, T) -> logits (B, T, vocab). Keeps no state."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, time), got shape {tuple(tokens.shape)}")
+        T = tokens.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        self.check_ids(tokens)
+        tokens = tokens.to(self.device)
+        positions = torch.arange(T, device=self.device).expand(tokens.shape[0], T)
+        return self.logits(self._trunk(tokens, positions)).float()
+
+    def check_ids(self, tokens) -> None:
+        t = torch.as_tensor(tokens)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
+            bad = int(t.max()) if int(t.max()) >= self.config.vocab_size else int(t.min())
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    # ---- the paged-cache path ----
+
+    def new_cache(self, num_blocks: int | None = None, block_size: int = 16, memory_bytes: int | None = None,
+                  dtype: torch.dtype | None = None) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
+                            memory_bytes=memory_bytes, dtype=dtype or self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def step(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[list[int]],
+             all_logits: bool = False) -> torch.Tensor:
+        """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model.
+
+        Returns fp32 logits: (B, vocab) for each sequence's last new token, or with
+        all_logits (B, T, vocab) for every new token (right-padded to T = max length).
+        Prefill is a step with the whole prompt; decode is a step with one token each.
+        """
+        n_new = [len(t) for t in new_tokens]
+        if min(n_new) < 1:
+            raise ValueError("every sequence in a step needs at least one new token")
+        for s, n in zip(seqs, n_new):
+            if cache.length(s) + n > self.config.max_seq_len:
+                raise ValueError(f"sequence {s} would reach {cache.length(s) + n} tokens, past max_seq_len={self.config.max_seq_len}")
+        T = max(n_new)
+        padded = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, t in enumerate(new_tokens):
+            padded[b, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        self.check_ids(padded)
+        meta = cache.prepare(seqs, n_new)
+        h = self._trunk(padded.to(self.device), meta.positions, cache, meta)  # (B, T, dim)
+        if all_logits:
+            return self.logits(h).float()
+        last = torch.tensor(n_new, device=h.device) - 1
+        return self.logits(h[torch.arange(len(seqs), device=h.device), last]).float()  # (B, vocab)
+
+    # ---- checkpoints and generation live in their own modules; thin methods here ----
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype: torch.dtype | None = None) -> "Transformer":
+        """Load a minispec checkpoint directory (config.json + model.safetensors [+ tokenizer])."""
+        from .checkpoint import load_pretrained
+        return load_pretrained(cls, path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors (+ tokenizer files) atomically to `path`."""
+        from .checkpoint import save_pretrained
+        save_pretrained(self, path, dtype=dtype)
+
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop_tokens=None, on_tokens=None,
+                 block_size: int = 16):
+        """Sample continuations. See minispec.generate.generate for the arguments."""
+        from .generate import generate
+        return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop_tokens=stop_tokens, on_tokens=on_tokens, block_size=block_size)
