@@ -257,3 +257,12 @@ class Transformer(nn.Module):
         from .generate import generate
         return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, stop_tokens=stop_tokens, on_tokens=on_tokens, block_size=block_size)
+
+    def speculate(self, draft, prompts, k: int | str = 4, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
+                  on_tokens=None, block_size: int = 16, **kwargs):
+        """Speculative decoding with `draft` proposing k tokens per round. See minispec.speculative.speculate."""
+        from .speculative import speculate
+        return speculate(self, draft, prompts, k=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, on_tokens=on_tokens,
+                         block_size=block_size, **kwargs)
