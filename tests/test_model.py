@@ -1,0 +1,92 @@
+"""The model over the paged cache: prefill + decode equals the full forward; config validation."""
+
+import pytest
+import torch
+
+from minispec import ModelConfig, Transformer
+
+from conftest import tiny_model
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_cached_decode_equals_full_forward_ragged(block_size):
+    model = tiny_model(seed=1, n_kv_heads=2)
+    torch.manual_seed(2)
+    lens = [11, 4, 17]  # a ragged batch
+    seqs_tokens = [torch.randint(0, 32, (n,)).tolist() for n in lens]
+    full = [model(torch.tensor([t]))[0] for t in seqs_tokens]  # (T, V) each
+    cache = model.new_cache(num_blocks=64, block_size=block_size)
+    seqs = [cache.new_sequence() for _ in lens]
+    prefill = [3, 1, 5]  # prompts of different lengths, in one forward
+    out = model.step(cache, seqs, [t[:p] for t, p in zip(seqs_tokens, prefill)], all_logits=True)
+    for b, p in enumerate(prefill):
+        torch.testing.assert_close(out[b, :p], full[b][:p], atol=1e-4, rtol=0)
+    pos = list(prefill)
+    while True:  # decode one token at a time for every sequence that still has tokens
+        live = [b for b in range(3) if pos[b] < lens[b]]
+        if not live:
+            break
+        logits = model.step(cache, [seqs[b] for b in live], [[seqs_tokens[b][pos[b]]] for b in live])
+        for row, b in enumerate(live):
+            torch.testing.assert_close(logits[row], full[b][pos[b]], atol=1e-4, rtol=0)
+            pos[b] += 1
+    cache.check_consistency()
+
+
+def test_multi_token_steps_after_truncate_match_full_forward():
+    """Verify-style steps (several tokens at once) after a rollback read no stale entries."""
+    model = tiny_model(seed=3)
+    tokens = torch.randint(0, 32, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    full = model(torch.tensor([tokens]))[0]
+    cache = model.new_cache(num_blocks=16, block_size=3)
+    (s,) = [cache.new_sequence()]
+    model.step(cache, [s], [tokens[:6]])
+    model.step(cache, [s], [[7, 8, 9, 10, 11]])  # a speculative run that gets rejected
+    cache.truncate(s, 6)
+    out = model.step(cache, [s], [tokens[6:12]], all_logits=True)[0]
+    torch.testing.assert_close(out, full[6:12], atol=1e-4, rtol=0)
+
+
+def test_forward_keeps_no_state(model):
+    x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    a = model(x)
+    model(torch.randint(0, 32, (1, 5)))
+    assert torch.equal(model(x), a)
+    assert a.shape == (2, 9, 32) and a.dtype == torch.float32
+
+
+def test_bf16_runs_close_to_fp32():
+    model = tiny_model(seed=5)
+    x = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = model(x)
+    low = model.to(torch.bfloat16)(x)
+    assert (low - ref).abs().max() < 0.1
+
+
+def test_config_derives_only_unset_fields():
+    c = ModelConfig(vocab_size=10, dim=64, n_layers=1, n_heads=8)
+    assert (c.n_kv_heads, c.head_dim, c.ffn_dim) == (8, 8, 256)
+    c = ModelConfig(vocab_size=10, dim=64, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=100)
+    assert (c.n_kv_heads, c.head_dim, c.ffn_dim) == (2, 16, 100)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(n_heads=8, n_kv_heads=3), "multiple of n_kv_heads"),
+    (dict(n_heads=5), "not divisible"),
+    (dict(eos_id=99), "outside the vocabulary"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "not supported"),
+])
+def test_bad_config(kw, msg):
+    base = dict(vocab_size=16, dim=32, n_layers=1, n_heads=4)
+    base.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig(**base)
+
+
+def test_forward_rejects_bad_ids(model):
+    with pytest.raises(ValueError, match="token id 32 is outside the vocabulary"):
+        model(torch.tensor([[1, 32]]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 129, dtype=torch.long))
