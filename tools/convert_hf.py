@@ -1,0 +1,302 @@
+"""Convert a Hugging Face Llama / Mistral / Qwen2 checkpoint directory to a minispec checkpoint.
+
+    python tools/convert_hf.py SRC_DIR DST_DIR [--dtype float32|bfloat16|float16] [--overwrite]
+
+SRC_DIR is what `save_pretrained` writes (or a Hub snapshot): config.json, the
+weights as model.safetensors, sharded model-0000x-of-0000y.safetensors with
+model.safetensors.index.json, or pytorch_model.bin (sharded with
+pytorch_model.bin.index.json), and the tokenizer files. DST_DIR becomes a
+minispec checkpoint (config.json, model.safetensors, tokenizer files) that
+`Transformer.from_pretrained` loads.
+
+minispec's module names are Hugging Face's without the "model." prefix, so the
+conversion is a rename (minispec.checkpoint.hf_to_minispec_name), never a
+permutation: minispec applies RoPE in the same rotate-half layout as
+transformers, so q_proj/k_proj rows are used as stored.
+
+What is refused, with a message saying why: an architecture other than the three
+above, sliding-window attention (minispec attends to the whole context),
+rope scaling other than Llama 3's, biases other than Qwen2's q/k/v, a missing or
+misshapen tensor, an unreadable weights file. Tensors are streamed one at a
+time, and DST_DIR appears only when the conversion has fully succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+try:  # run from a source checkout without installing minispec
+    import minispec  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import DTYPES, TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, read_json, write_safetensors
+from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
+                                 expected_shapes, hf_to_minispec_name)
+from minispec.config import ModelConfig
+from minispec.model import Transformer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# a tensor found in a weights file, before it is read: (shape, dtype, load)
+_Source = tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class ConversionError(ValueError):
+    """The source checkpoint cannot be converted; the message says why and what to do."""
+
+
+# ---- config.json (pure functions of the parsed JSON) ----
+
+def architecture(hf: dict) -> str:
+    """The checkpoint's architecture name, e.g. "LlamaForCausalLM"; a clear error if minispec cannot run it."""
+    archs = hf.get("architectures") or []
+    if not archs and hf.get("model_type") in _ARCH_OF_MODEL_TYPE:
+        archs = [_ARCH_OF_MODEL_TYPE[hf["model_type"]]]
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        got = archs[0] if len(archs) == 1 else (archs or f"none (model_type={hf.get('model_type')!r})")
+        raise ConversionError(f"architecture {got} is not supported; minispec converts {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return archs[0]
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config layout.
+
+    transformers < 5 writes top-level "rope_theta" and "rope_scaling"; 5.x
+    writes one "rope_parameters" dict holding rope_theta and the scaling keys.
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    if "layer_types" in hf and any(isinstance(v, dict) for v in params.values()):
+        raise ConversionError(f"per-layer rope_parameters {params} are not supported")
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    factor = hf.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0) if scaling else 1.0)
+    if factor != 1.0:
+        raise ConversionError(f"partial_rotary_factor={factor} is not supported (minispec rotates the whole head)")
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ConversionError(f"rope scaling type {kind!r} is not supported (only 'llama3'); the config has {scaling}")
+    scaling = dict(scaling)
+    # transformers falls back to max_position_embeddings when the original length is not given
+    scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    missing = [k for k in _LLAMA3_KEYS if scaling.get(k) is None]
+    if missing:
+        raise ConversionError(f"llama3 rope scaling lacks {missing}; the config has {scaling}")
+    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in _LLAMA3_KEYS}}
+
+
+def _check_features(hf: dict, arch: str) -> None:
+    """Refuse what minispec's Transformer does not compute, rather than convert it into a different model."""
+    max_pos = hf.get("max_position_embeddings")
+    window = hf.get("sliding_window")
+    sliding = window is not None and (arch == "MistralForCausalLM" or hf.get("use_sliding_window", False))
+    if sliding and (max_pos is None or window < max_pos):
+        raise ConversionError(
+            f"{arch} with sliding-window attention (sliding_window={window} < max_position_embeddings={max_pos}) "
+            "is unsupported: minispec attends to the whole context, so outputs would differ past the window")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConversionError(f"hidden_act={hf['hidden_act']!r} is not supported (minispec's MLP is SwiGLU, 'silu')")
+    if hf.get("attention_bias", False):
+        raise ConversionError("attention_bias=true (a bias on q/k/v and o_proj) is not supported; "
+                              "minispec has q/k/v biases only, as in Qwen2")
+    if hf.get("mlp_bias", False):
+        raise ConversionError("mlp_bias=true is not supported (minispec's MLP has no biases)")
+
+
+def _norm_eos(value) -> int | list[int] | None:
+    """eos may be an int or a list (Llama 3 stops on several); keep the order, drop duplicates and Nones."""
+    if value is None or isinstance(value, int):
+        return value
+    ids = list(dict.fromkeys(int(v) for v in value if v is not None))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def config_from_hf(hf: dict, generation_config: dict | None = None) -> ModelConfig:
+    """A Hugging Face config.json (parsed) -> minispec ModelConfig.
+
+    bos/eos ids come from generation_config.json when given (it is what
+    transformers' generate stops on), else from config.json.
+    """
+    arch = architecture(hf)
+    _check_features(hf, arch)
+    theta, scaling = _rope(hf)
+    gen = generation_config or {}
+    bos = gen.get("bos_token_id", hf.get("bos_token_id"))
+    eos = _norm_eos(gen.get("eos_token_id", hf.get("eos_token_id")))
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            ffn_dim=hf["intermediate_size"],
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            # all three architectures default to untied in transformers
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            bos_id=bos,
+            eos_id=eos,
+        )
+    except KeyError as e:
+        raise ConversionError(f"config.json lacks {e.args[0]!r}, which a {arch} config must have") from None
+    except ValueError as e:
+        raise ConversionError(f"config.json describes a model minispec cannot build: {e}") from None
+
+
+def special_ids_from_tokenizer_files(src: Path) -> tuple[int | None, int | None]:
+    """bos/eos ids named by tokenizer_config.json (token strings), looked up in its added tokens or tokenizer.json."""
+    tc_path = src / "tokenizer_config.json"
+    if not tc_path.is_file():
+        return None, None
+    tc = read_json(tc_path)
+    vocab = {v["content"]: int(k) for k, v in (tc.get("added_tokens_decoder") or {}).items() if isinstance(v, dict)}
+    tj_path = src / "tokenizer.json"
+    if tj_path.is_file():
+        tj = read_json(tj_path)
+        vocab.update({t["content"]: t["id"] for t in tj.get("added_tokens") or []})
+        model_vocab = (tj.get("model") or {}).get("vocab")
+        if isinstance(model_vocab, dict):
+            vocab = {**model_vocab, **vocab}
+
+    def lookup(key):
+        tok = tc.get(key)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return vocab.get(tok) if isinstance(tok, str) else None
+
+    return lookup("bos_token"), lookup("eos_token")
+
+
+# ---- weights ----
+
+def find_weight_files(src: Path) -> list[Path]:
+    """The weight files of a Hugging Face checkpoint directory, safetensors preferred over .bin."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (src / index_name).is_file():
+            weight_map = read_json(src / index_name).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{src / index_name} has no weight_map")
+            files = [src / f for f in dict.fromkeys(weight_map.values())]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ConversionError(f"{src / index_name} lists shard(s) {missing} that are not in {src}; "
+                                      "download every shard")
+            return files
+        if (src / single).is_file():
+            return [src / single]
+    present = sorted(p.name for p in src.iterdir())
+    raise ConversionError(f"{src} holds no model.safetensors, sharded safetensors with model.safetensors.index.json, "
+                          f"or pytorch_model.bin; it has {present}")
+
+
+def _open_weights(path: Path, stack: contextlib.ExitStack) -> dict[str, _Source]:
+    """{name: (shape, dtype, load)} for one weight file, reading only its header / memory-mapping it."""
+    try:
+        if path.suffix == ".safetensors":
+            f = stack.enter_context(safe_open(str(path), framework="pt"))
+            out = {}
+            for n in f.keys():
+                sl = f.get_slice(n)
+                out[n] = (tuple(sl.get_shape()), TORCH_DTYPE[sl.get_dtype()], lambda f=f, n=n: f.get_tensor(n))
+            return out
+        # .bin: weights_only refuses pickled code; mmap keeps the shard on disk until each tensor is used
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the pre-zip legacy format cannot be memory-mapped
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        kind = "safetensors" if path.suffix == ".safetensors" else "a PyTorch checkpoint"
+        raise ConversionError(f"{path} cannot be read as {kind} ({type(e).__name__}: {e}); "
+                              "the file may be truncated or corrupt: re-download or re-save it") from None
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)] if isinstance(state, dict) else ["(not a dict)"]
+    if bad:
+        raise ConversionError(f"{path} is not a state dict of tensors (offending entries: {bad[:5]})")
+    return {n: (tuple(t.shape), t.dtype, lambda t=t: t) for n, t in state.items()}
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite: bool = False,
+            progress: bool = True) -> ModelConfig:
+    """Convert the Hugging Face checkpoint in `src` into a minispec checkpoint at `dst`; return its config.
+
+    dtype: "float32", "bfloat16" or "float16" to cast the weights; None keeps them as stored.
+    """
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise ConversionError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    hf = read_json(src / "config.json")
+    gen = read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else None
+    cfg = config_from_hf(hf, gen)
+    if cfg.bos_id is None or cfg.eos_id is None:
+        bos, eos = special_ids_from_tokenizer_files(src)
+        try:
+            cfg = ModelConfig(**{**vars(cfg), "bos_id": cfg.bos_id if cfg.bos_id is not None else bos,
+                                 "eos_id": cfg.eos_id if cfg.eos_id is not None else eos})
+        except ValueError as e:
+            raise ConversionError(f"{src / 'tokenizer_config.json'}: {e}") from None
+    with torch.device("meta"):
+        expected = expected_shapes(Transformer(cfg))
+
+    with contextlib.ExitStack() as stack:
+        # minispec name -> (shape, source dtype, loader), in file order
+        tensors: dict[str, _Source] = {}
+        for path in find_weight_files(src):
+            for hf_name, info in _open_weights(path, stack).items():
+                try:
+                    name = hf_to_minispec_name(hf_name)
+                except CheckpointError as e:
+                    raise ConversionError(f"{path}: {e}") from None
+                if name is None or (name == "lm_head.weight" and cfg.tie_embeddings):
+                    continue  # a cached buffer, or the copy of a tied embedding: config.json says it is shared
+                if name in tensors:
+                    raise ConversionError(f"tensor {hf_name!r} appears in more than one shard ({path.name} and another)")
+                tensors[name] = info
+        check_state_dict({n: s for n, (s, _, _) in tensors.items()}, expected,
+                         f"{src} (tensor names shown without Hugging Face's 'model.' prefix)")
+        out_dtype = DTYPES[dtype] if dtype else None
+        entries = [TensorEntry(n, s, out_dtype or dt, load) for n, (s, dt, load) in tensors.items()]
+        with atomic_output_dir(dst, overwrite=overwrite) as tmp:
+            write_safetensors(tmp / WEIGHTS_NAME, entries, metadata={"format": "pt", "producer": "minispec convert_hf"},
+                              show_progress=progress, desc=f"converting {src.name}")
+            cfg.save(str(tmp / CONFIG_NAME))
+            copy_files(src, tmp, TOKENIZER_FILES)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", help="Hugging Face checkpoint directory (config.json + weights + tokenizer)")
+    ap.add_argument("dst", help="minispec checkpoint directory to create")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+    except (ConversionError, CheckpointError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}: {json.dumps({k: v for k, v in vars(cfg).items() if v is not None})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Export a minispec checkpoint to a Hugging Face directory that transformers loads.
+
+    python tools/export_hf.py SRC_DIR DST_DIR [--overwrite]
+
+The output holds config.json, generation_config.json (bos/eos), model.safetensors
+with Hugging Face tensor names (minispec.checkpoint.minispec_to_hf_name) and the
+tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(DST_DIR)`
+gives the same logits as minispec. A model without q/k/v biases exports as
+LlamaForCausalLM; one with them (qkv_bias) as Qwen2ForCausalLM, the
+architecture whose attention is exactly that (Llama's attention_bias would
+also put a bias on o_proj). The weights keep their stored dtype. DST_DIR
+appears only once it is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+try:  # run from a source checkout without installing minispec
+    import minispec  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, write_safetensors
+from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
+                                 expected_shapes, minispec_to_hf_name)
+from minispec.config import ModelConfig
+from minispec.model import Transformer
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config_from_minispec(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """minispec ModelConfig -> a Hugging Face config.json dict (LlamaForCausalLM, or Qwen2ForCausalLM for qkv_bias).
+
+    RoPE is written in the layout every transformers version reads: top-level
+    rope_theta and rope_scaling (5.x folds them into rope_parameters on load).
+    """
+    hf = {
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": cfg.bos_id,
+        "eos_token_id": cfg.eos_id,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    }
+    if cfg.qkv_bias:
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    else:
+        hf.update(attention_bias=False, mlp_bias=False)
+    return hf
+
+
+def export(src: str | Path, dst: str | Path, overwrite: bool = False, progress: bool = True) -> dict:
+    """Write the minispec checkpoint in `src` as a Hugging Face checkpoint at `dst`; return its config.json dict."""
+    src, dst = Path(src), Path(dst)
+    cfg = ModelConfig.load(str(src / CONFIG_NAME))
+    wfile = src / WEIGHTS_NAME
+    if not wfile.is_file():
+        raise CheckpointError(f"{src}: no {WEIGHTS_NAME}")
+    with torch.device("meta"):
+        expected = expected_shapes(Transformer(cfg))
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(safe_open(str(wfile), framework="pt"))
+            slices = {n: f.get_slice(n) for n in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
+                                  "the file may be truncated or corrupt") from None
+        shapes = {n: tuple(s.get_shape()) for n, s in slices.items()}
+        check_state_dict(shapes, expected, str(wfile))
+        dtypes = {n: TORCH_DTYPE[s.get_dtype()] for n, s in slices.items()}
+        entries = [TensorEntry(minispec_to_hf_name(n), shapes[n], dtypes[n], lambda n=n: f.get_tensor(n))
+                   for n in slices]
+        hf = hf_config_from_minispec(cfg, dtypes.get("embed_tokens.weight", torch.float32))
+        gen = {k: v for k, v in (("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id)) if v is not None}
+        with atomic_output_dir(dst, overwrite=overwrite) as tmp:
+            write_safetensors(tmp / "model.safetensors", entries, metadata={"format": "pt"},
+                              show_progress=progress, desc=f"exporting {src.name}")
+            for name, d in (("config.json", hf), ("generation_config.json", gen)):
+                with open(tmp / name, "w") as out:
+                    json.dump(d, out, indent=2)
+                    out.write("\n")
+            copy_files(src, tmp, TOKENIZER_FILES)
+    return hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", help="minispec checkpoint directory (config.json + model.safetensors)")
+    ap.add_argument("dst", help="Hugging Face checkpoint directory to create")
+    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        hf = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst} ({hf['architectures'][0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
