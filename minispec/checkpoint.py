@@ -99,7 +99,7 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
             names = list(f.keys())
             shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
             check_state_dict(shapes, expected, str(wfile))
-            stored_dtype = f.get_slice(names[0]).get_dtype() if names else None
+            stored_dtype = f.get_slice("embed_tokens.weight").get_dtype()
             state = {n: f.get_tensor(n) for n in names}
     except CheckpointError:
         raise
@@ -120,7 +120,8 @@ def save_pretrained(model, path, dtype: torch.dtype | None = None) -> None:
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
+             for k, v in model.state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
     try:
         model.config.save(str(tmp / CONFIG_NAME))

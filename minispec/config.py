@@ -27,6 +27,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # None, or Llama-3 style {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     max_seq_len: int = 2048  # longest sequence (prompt + generated) the model accepts
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
+    head_vocab_size: int | None = None  # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get logit -inf. None = every id
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
     bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
     eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
@@ -52,6 +53,11 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_vocab_size is not None:
+            if not isinstance(self.head_vocab_size, int) or not 1 <= self.head_vocab_size <= self.vocab_size:
+                raise ValueError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {self.head_vocab_size!r}")
+            if self.tie_embeddings:
+                raise ValueError("head_vocab_size (a subset lm_head) needs tie_embeddings=False")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("norm_eps and rope_theta must be positive")
         if self.rope_scaling is not None:

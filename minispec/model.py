@@ -133,7 +133,10 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        head = cfg.head_vocab_size or cfg.vocab_size
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, head, bias=False)
+        # a subset head scores only head_ids; every other token gets probability 0, which keeps speculation exact
+        self.register_buffer("head_ids", torch.arange(head) if cfg.head_vocab_size else None)
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -181,7 +184,11 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab)."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w)
+        if self.head_ids is None:
+            return F.linear(h, w)
+        full = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.head_ids] = F.linear(h, w)
+        return full
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

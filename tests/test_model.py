@@ -90,3 +90,21 @@ def test_forward_rejects_bad_ids(model):
         model(torch.tensor([[1, 32]]))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_subset_head_scores_only_its_ids(tmp_path):
+    """A draft's frequent-token head: logits outside head_ids are -inf, so their probability is exactly 0."""
+    model = tiny_model(seed=6, tie_embeddings=False, head_vocab_size=5)
+    with torch.no_grad():
+        model.head_ids.copy_(torch.tensor([3, 9, 0, 31, 17]))
+    x = torch.randint(0, 32, (1, 6), generator=torch.Generator().manual_seed(2))
+    logits = model(x)
+    finite = torch.isfinite(logits[0, -1]).nonzero().flatten().tolist()
+    assert finite == [0, 3, 9, 17, 31]
+    h = model._trunk(x, torch.arange(6).view(1, 6))
+    torch.testing.assert_close(logits[0, :, 9], (h @ model.lm_head.weight.T)[0, :, 1])
+    model.save_pretrained(tmp_path / "d", dtype=torch.bfloat16)
+    loaded = Transformer.from_pretrained(tmp_path / "d")
+    assert loaded.head_ids.tolist() == [3, 9, 0, 31, 17] and loaded.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="needs tie_embeddings=False"):
+        ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, head_vocab_size=5)
