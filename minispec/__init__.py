@@ -5,7 +5,8 @@ from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .model import Transformer
 from .sampling import SamplingParams
+from .speculative import PromptLookupDrafter, SpeculativeResult, SpeculativeStats
 
 __all__ = ["BlockAllocator", "CacheExhausted", "CheckpointError", "ModelConfig", "PagedKVCache",
-           "SamplingParams", "Transformer"]
+           "PromptLookupDrafter", "SamplingParams", "SpeculativeResult", "SpeculativeStats", "Transformer"]
 __version__ = "0.1.0"

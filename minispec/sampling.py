@@ -70,13 +70,25 @@ def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu"
     return gens
 
 
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """Inverse-CDF draw per row: probs (B, V), u (B,) uniforms in [0, 1) -> B token ids.
+
+    The uniforms are given, so callers such as speculative.verify stay pure
+    functions, and a batch of rows costs one call.
+    """
+    probs = probs.double().cpu()
+    cdf = probs.cumsum(-1)  # (B, V)
+    x = (u.double().cpu() * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    out = idx.tolist()
+    for b, i in enumerate(out):
+        # rounding can land past the CDF's end on a zero-probability tail token: step back
+        while probs[b, i] == 0.0 and i > 0:
+            i -= 1
+        out[b] = i
+    return out
+
+
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """Draw one token from a probability vector (V,) by inverse CDF with one uniform from `gen`."""
-    u = torch.rand((), generator=gen, dtype=torch.float64)
-    cdf = probs.double().cumsum(-1).cpu()
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    idx = min(idx, probs.shape[-1] - 1)
-    # never land on a zero-probability token through rounding at the CDF's flat tail
-    while float(probs[idx]) == 0.0 and idx > 0:
-        idx -= 1
-    return idx
+    """Draw one token from a probability vector (V,) with one uniform from `gen`."""
+    return sample_rows(probs.unsqueeze(0), torch.rand(1, generator=gen, dtype=torch.float64))[0]

@@ -1,0 +1,458 @@
+"""Exact speculative decoding over the paged KV cache.
+
+One round, per sequence (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large
+Language Model Decoding with Speculative Sampling"):
+
+1. the drafter proposes d_1..d_k, each drawn from q_i, the exact distribution
+   it sampled from (the draft's logits through the same `logits_to_probs`);
+2. the target runs once over [last committed token, d_1..d_k] -> p_1..p_{k+1};
+3. left to right, d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i));
+4. at the first rejection the next token comes from norm(max(0, p_i - q_i));
+5. if all k are accepted, a bonus token comes from p_{k+1};
+6. both caches are truncated back to the committed tokens.
+
+Every emitted token is then distributed exactly as under target-only sampling:
+min(p, q) arrives by acceptance, max(0, p - q) by the residual, and they sum
+to p (`acceptance` computes both halves so the tests can check the sum).
+Greedy decoding is the same rule: `logits_to_probs` makes p and q one-hot, so
+d_i is accepted iff it is the target's argmax and the residual is that argmax.
+
+The maths lives in pure functions (`acceptance`, `residual`, `verify`, and
+`sampling.sample_rows`); `speculate` is the batched loop around them. Drafters share one
+small interface (`Drafter`): a smaller Transformer (`ModelDrafter`) or n-gram
+lookup in the sequence's own context (`PromptLookupDrafter`; Saxena 2023).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .generate import OnTokens, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
+
+# "exact" is the algorithm; the others are deliberately wrong, kept as negative
+# controls that the statistical tests and the equivalence harness must reject.
+SAMPLERS = ("exact", "no-residual", "always-accept", "unprocessed-q")
+
+
+# ---------------------------------------------------------------------------
+# the maths: pure functions of probability vectors and uniforms
+# ---------------------------------------------------------------------------
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last axis: where the next token comes from after a rejection.
+
+    When p == q the residual has no mass, but then no draft token can be
+    rejected; p is returned so the result is always a distribution.
+    """
+    r = (p.double() - q.double()).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(torch.float64).tiny), p.double())
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one position: accept probability per drafted token, rejection probability, residual.
+
+    p, q: (..., V) target and draft distributions. Returns
+    accept (..., V) = min(1, p/q) (1 where q = 0: such a token is never drafted),
+    reject (...,) = sum max(0, p - q) = P(the draft token is rejected),
+    residual (..., V). The emitted token's distribution is
+    q * accept + reject * residual, which equals p.
+    """
+    p, q = p.double(), q.double()
+    accept = torch.where(q > 0, (p / q.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0), torch.ones_like(p))
+    reject = (p - q).clamp_min(0.0).sum(-1)
+    return accept, reject, residual(p, q)
+
+
+def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor,
+           sampler: str = "exact") -> tuple[int, int]:
+    """The acceptance step of one round for one sequence. Pure: no state, no RNG.
+
+    draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn
+    from; p: (k+1, V) the target's distributions at the same positions plus the
+    bonus position; uniforms: (k+1,) in [0, 1): uniforms[i] decides d_{i+1},
+    uniforms[k] draws the next token.
+    Returns (n_accepted, next_token): the round commits d_1..d_n then next_token.
+    """
+    k = len(draft_tokens)
+    if q.shape[0] != k or p.shape[0] != k + 1 or uniforms.shape[0] != k + 1:
+        raise ValueError(f"verify needs q ({k}, V), p ({k + 1}, V), uniforms ({k + 1},) for {k} draft tokens; "
+                         f"got q {tuple(q.shape)}, p {tuple(p.shape)}, uniforms {tuple(uniforms.shape)}")
+    u_next = uniforms[k:k + 1]
+    for i, d in enumerate(draft_tokens):
+        if sampler == "always-accept":
+            continue
+        qd, pd = float(q[i, d]), float(p[i, d])
+        if qd <= 0.0:
+            raise ValueError(f"draft token {d} at position {i + 1} has q = 0: it cannot have been sampled "
+                             "from q; the drafter must return the distribution it drew from")
+        if float(uniforms[i]) < pd / qd:  # P(u < r) = min(1, r)
+            continue
+        resample_from = p[i] if sampler == "no-residual" else residual(p[i], q[i])
+        return i, sample_rows(resample_from.unsqueeze(0), u_next)[0]
+    return k, sample_rows(p[k].unsqueeze(0), u_next)[0]
+
+
+def choose_k(k: int | str, stats: "SpeculativeStats") -> int:
+    """Draft length for the next round. The hook for adaptive k: today only a fixed k."""
+    if k == "auto":
+        raise NotImplementedError("k='auto' (adaptive draft length) is not implemented yet; pass an integer k >= 1")
+    return k
+
+
+# ---------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------
+
+@dataclass
+class SpeculativeStats:
+    rounds: int = 0  # batched verify passes (one target forward each)
+    sequence_rounds: int = 0  # rounds summed over sequences (equals `rounds` for one prompt)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target accepted
+    committed: int = 0  # new tokens emitted (accepted + one per round, less any cut at a stop token)
+    position_drafted: list[int] = field(default_factory=list)  # [j]: drafts proposed at draft position j+1
+    position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted
+    draft_time_s: float = 0.0  # wall time spent drafting
+    verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens that were accepted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per round, per sequence (the speedup's numerator)."""
+        return self.committed / self.sequence_rounds if self.sequence_rounds else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Per draft position j+1: accepted / proposed (decays with j: a rejection ends the round)."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    def _count(self, n_drafted: int, n_accepted: int) -> None:
+        while len(self.position_drafted) < n_drafted:
+            self.position_drafted.append(0)
+            self.position_accepted.append(0)
+        for j in range(n_drafted):
+            self.position_drafted[j] += 1
+            self.position_accepted[j] += j < n_accepted
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.sequence_rounds += 1
+
+
+@dataclass
+class SpeculativeResult:
+    tokens: list  # list[int] for one prompt, list[list[int]] for a batch: the new tokens only
+    stats: SpeculativeStats
+    # with keep_caches=True: the target's and the model drafter's CachedRows (cache, seq and pending per row)
+    caches: tuple["CachedRows", "CachedRows | None"] | None = None
+
+
+# ---------------------------------------------------------------------------
+# one model's paged cache, one sequence per batch row
+# ---------------------------------------------------------------------------
+
+class CachedRows:
+    """A model, its paged cache, and one cache sequence per batch row.
+
+    Between rounds a row's cache holds its committed tokens except `pending`
+    ones; at least the last committed token stays pending, because feeding it
+    is what yields the next position's logits. Rows that share a prompt share
+    its prefill: it runs once and the blocks are forked (copy-on-write).
+    """
+
+    def __init__(self, model, prompts: dict[int, list[int]], budgets: dict[int, int], block_size: int):
+        self.model = model
+        bs = block_size
+        unique: dict[tuple, list[int]] = {}
+        for row, p in prompts.items():
+            unique.setdefault(tuple(p), []).append(row)
+        # worst case: each row grows to prompt + budget tokens; shared full prompt blocks are counted once
+        blocks = sum(-(-(len(p) - 1) // bs) for p in unique)
+        blocks += sum(-(-(len(p) + budgets[r]) // bs) - (len(p) - 1) // bs for r, p in prompts.items())
+        self.cache = model.new_cache(num_blocks=max(blocks, 1), block_size=bs)
+        self.seq: dict[int, int] = {}
+        self.pending: dict[int, list[int]] = {r: [p[-1]] for r, p in prompts.items()}
+        self.fed: dict[int, list[int]] = {}  # row -> tokens fed after its pending ones this round
+        parents = {p: self.cache.new_sequence() for p in unique if len(p) > 1}
+        if parents:  # one prefill of prompt[:-1] per distinct prompt
+            model.step(self.cache, list(parents.values()), [list(p[:-1]) for p in parents])
+        for p, rows in unique.items():
+            for r in rows:
+                self.seq[r] = self.cache.fork(parents[p]) if p in parents else self.cache.new_sequence()
+        for s in parents.values():
+            self.cache.free(s)
+
+    def feed(self, rows: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Append each row's pending tokens (first feed of a round only) and then tokens[j]; return the logits."""
+        lists = []
+        for r, t in zip(rows, tokens):
+            lists.append(self.pending[r] + t)
+            self.pending[r] = []
+            self.fed.setdefault(r, []).extend(t)
+        return self.model.step(self.cache, [self.seq[r] for r in rows], lists, all_logits=all_logits)
+
+    def commit(self, row: int, new_tokens: list[int]) -> None:
+        """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest."""
+        fed = self.fed.pop(row, None)
+        if fed is None:  # not fed this round: everything committed is still to be fed
+            self.pending[row] += new_tokens
+            return
+        keep = 0
+        while keep < min(len(fed), len(new_tokens) - 1) and fed[keep] == new_tokens[keep]:
+            keep += 1
+        s = self.seq[row]
+        self.cache.truncate(s, self.cache.length(s) - len(fed) + keep)
+        self.pending[row] = new_tokens[keep:]
+
+    def free(self, row: int) -> None:
+        self.cache.free(self.seq[row])
+
+
+# ---------------------------------------------------------------------------
+# drafters
+# ---------------------------------------------------------------------------
+
+class Drafter:
+    """What `speculate` asks of a drafter. Rows are indices into the prompt batch.
+
+    start(prompts, budgets, params, block_size, vocab_size): a new run; prompts and budgets are dicts by row.
+    propose(rows, ks, contexts, gens) -> (tokens, q): for each rows[j], up to ks[j] tokens and the
+        (n_j, V) float64 distributions they were drawn from; contexts[row] is prompt + committed tokens;
+        gens[row] is the row's generator (a drafter that samples must draw only from it).
+    commit(row, tokens): the round committed these tokens to the row.
+    finish(row, keep): the row is done; release it unless keep.
+    """
+
+    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+        raise NotImplementedError
+
+    def propose(self, rows, ks, contexts, gens):
+        raise NotImplementedError
+
+    def commit(self, row: int, tokens: list[int]) -> None:
+        pass
+
+    def finish(self, row: int, keep: bool = False) -> None:
+        pass
+
+
+class ModelDrafter(Drafter):
+    """A smaller Transformer samples d_1..d_k autoregressively over its own paged cache.
+
+    unprocessed_q=True is the "unprocessed-q" negative control: tokens are still
+    sampled from the processed distribution, but the q reported to the
+    acceptance step is the raw softmax (temperature 1, no top-k / top-p).
+    """
+
+    def __init__(self, model, unprocessed_q: bool = False):
+        self.model = model
+        self.unprocessed_q = unprocessed_q
+        self.rows: CachedRows | None = None
+
+    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+        self.params = params
+        self.max_len = self.model.config.max_seq_len
+        # a prompt longer than the draft's window never gets drafts: those rounds are plain target steps
+        fits = {r: p for r, p in prompts.items() if len(p) <= self.max_len}
+        self.rows = CachedRows(self.model, fits, budgets, block_size)
+
+    def propose(self, rows, ks, contexts, gens):
+        tokens = {r: [] for r in rows}
+        qs = {r: [] for r in rows}
+        # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
+        ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
+        for j in range(max(ks.values(), default=0)):
+            live = [r for r in rows if ks[r] > j]
+            logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
+            probs = logits_to_probs(logits, self.params).double().cpu()  # (B, V)
+            u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live])
+            reported = logits.float().softmax(-1).double().cpu() if self.unprocessed_q else probs
+            for b, (r, d) in enumerate(zip(live, sample_rows(probs, u))):
+                tokens[r].append(d)
+                qs[r].append(reported[b])
+        V = self.model.config.vocab_size
+        return ([tokens[r] for r in rows],
+                [torch.stack(qs[r]) if qs[r] else torch.zeros(0, V, dtype=torch.float64) for r in rows])
+
+    def commit(self, row, tokens):
+        if row in self.rows.seq:
+            self.rows.commit(row, tokens)
+
+    def finish(self, row, keep=False):
+        if row in self.rows.seq and not keep:
+            self.rows.free(row)
+
+
+class PromptLookupDrafter(Drafter):
+    """Model-free drafting: find the sequence's last n tokens earlier in its own context, propose what followed.
+
+    Tries n = ngram down to min_ngram, most recent match first. The proposal is
+    a deterministic function of the context, so q is one-hot on it and the
+    exact rule still applies at any temperature (accept d with probability
+    p(d); on rejection sample p with d removed). No match: no draft, and the
+    round is a plain target step.
+    """
+
+    def __init__(self, ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= ngram):
+            raise ValueError(f"PromptLookupDrafter needs integers 1 <= min_ngram <= ngram, got ngram={ngram!r}, "
+                             f"min_ngram={min_ngram!r}")
+        self.ngram, self.min_ngram = ngram, min_ngram
+
+    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+        self.vocab_size = vocab_size
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the context's tail."""
+        L = len(context)
+        for n in range(min(self.ngram, L - 1), self.min_ngram - 1, -1):
+            tail = context[L - n:]
+            for s in range(L - n - 1, -1, -1):  # starts before the tail itself, so a continuation exists
+                if context[s:s + n] == tail:
+                    return context[s + n:s + n + k]
+        return []
+
+    def propose(self, rows, ks, contexts, gens):
+        tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
+        qs = []
+        for t in tokens:
+            q = torch.zeros(len(t), self.vocab_size, dtype=torch.float64)
+            q[torch.arange(len(t)), torch.tensor(t, dtype=torch.long)] = 1.0
+            qs.append(q)
+        return tokens, qs
+
+
+def check_compatible(target, draft) -> None:
+    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
+                         "token ids, so draft and target must share one tokenizer and vocabulary")
+    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if (tt is None) != (dt is None):
+        which = "target" if dt is None else "draft"
+        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
+                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
+    if tt is not None and tt is not dt:
+        ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
+        if ft != fd:
+            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
+                             "speculative decoding needs one shared tokenizer")
+
+
+def make_drafter(target, draft, sampler: str) -> Drafter:
+    """A Transformer, "prompt-lookup", or a Drafter -> a Drafter."""
+    if isinstance(draft, str):
+        if draft != "prompt-lookup":
+            raise ValueError(f"unknown drafter {draft!r}; pass a Transformer, 'prompt-lookup' or a Drafter")
+        return PromptLookupDrafter()
+    if isinstance(draft, ModelDrafter):
+        draft = draft.model
+    elif isinstance(draft, Drafter):
+        return draft
+    if not (hasattr(draft, "step") and hasattr(draft, "config")):
+        raise ValueError(f"draft must be a Transformer, 'prompt-lookup' or a Drafter, got {type(draft).__name__}")
+    check_compatible(target, draft)
+    return ModelDrafter(draft, unprocessed_q=sampler == "unprocessed-q")
+
+
+# ---------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------
+
+def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64, temperature: float = 0.0,
+              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
+              on_tokens: OnTokens | None = None, block_size: int = 16, sampler: str = "exact",
+              keep_caches: bool = False) -> SpeculativeResult:
+    """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
+
+    draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
+    prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
+    on_tokens, block_size: as in minispec.generate.generate (sequence i of a
+    batch samples from the generator seeded seed + i; temperature 0 gives
+    generate's greedy tokens).
+    sampler: "exact", or a deliberately broken variant for negative controls:
+      "no-residual" (resample from p after a rejection), "always-accept",
+      "unprocessed-q" (acceptance uses a model draft's raw softmax, not the q it sampled from).
+    keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
+    """
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    check_max_new_tokens(max_new_tokens)
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"k (draft tokens per round) must be an integer >= 1 or 'auto', got {k!r}")
+    stats = SpeculativeStats()
+    choose_k(k, stats)  # fail now, not after the prefill, if this k cannot be served
+    drafter = make_drafter(target, draft, sampler)
+    batch, single = normalize_prompts(target, prompts)
+    stops = resolve_stop_tokens(target, stop_tokens)
+    out: list[list[int]] = [[] for _ in batch]
+    max_len = target.config.max_seq_len
+    budgets = {i: min(max_new_tokens, max_len - len(p)) for i, p in enumerate(batch)}  # prompt + output <= max_seq_len
+    active = [i for i in range(len(batch)) if budgets[i] > 0]
+    if not active:
+        return SpeculativeResult(out[0] if single else out, stats)
+    live_prompts = {i: batch[i] for i in active}
+    live_budgets = {i: budgets[i] for i in active}
+    tgt = CachedRows(target, live_prompts, live_budgets, block_size)
+    drafter.start(live_prompts, live_budgets, params, block_size, target.config.vocab_size)
+    gens = make_generators(seed, len(batch))
+    contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
+    while active:
+        kr = choose_k(k, stats)
+        # a round commits at most k + 1 tokens: never draft past a row's remaining budget
+        ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
+        t0 = time.perf_counter()
+        drafts, qs = drafter.propose(active, ks, contexts, gens)
+        t1 = time.perf_counter()
+        for b, i in enumerate(active):
+            if len(drafts[b]) > max(ks[b], 0):
+                raise RuntimeError(f"{type(drafter).__name__} proposed {len(drafts[b])} tokens for sequence {i}, "
+                                   f"more than the {ks[b]} asked for")
+        n_pending = [len(tgt.pending[i]) for i in active]
+        logits = tgt.feed(active, drafts, all_logits=True)  # (B, T, V): ONE target pass verifies the whole batch
+        # p_1..p_{k+1} of row b are the logits at its last pending token and at each of its drafts
+        b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
+        t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+        probs = logits_to_probs(logits[b_idx, t_idx], params).double().cpu()  # (sum over rows of k_b + 1, V)
+        still, start = [], 0
+        for b, i in enumerate(active):
+            kb = len(drafts[b])
+            p, start = probs[start:start + kb + 1], start + kb + 1
+            uniforms = torch.rand(kb + 1, generator=gens[i], dtype=torch.float64)
+            n, nxt = verify(drafts[b], qs[b], p, uniforms, sampler)
+            stats._count(kb, n)
+            new = drafts[b][:n] + [nxt]
+            for j, t in enumerate(new):  # a stop token inside the accepted run ends the sequence there
+                if t in stops:
+                    new = new[:j + 1]
+                    break
+            out[i] += new
+            contexts[i] += new
+            stats.committed += len(new)
+            if on_tokens is not None:
+                on_tokens(i, new)
+            tgt.commit(i, new)
+            drafter.commit(i, new)
+            if new[-1] in stops or len(out[i]) >= budgets[i]:
+                if not keep_caches:
+                    tgt.free(i)
+                drafter.finish(i, keep=keep_caches)
+            else:
+                still.append(i)
+        active = still
+        stats.rounds += 1
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += time.perf_counter() - t1
+    caches = (tgt, getattr(drafter, "rows", None)) if keep_caches else None
+    return SpeculativeResult(out[0] if single else out, stats, caches)

@@ -1,0 +1,226 @@
+"""The pure functions of speculative sampling, and speculate's argument checks.
+
+The core identity: a draft token x arrives with probability q(x) * min(1, p(x)/q(x)) = min(p, q)(x),
+a rejection happens with probability sum max(0, p - q), and the residual
+norm(max(0, p - q)) then supplies max(0, p - q); min(p, q) + max(0, p - q) = p.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minispec import ModelConfig, Transformer
+from minispec.sampling import sample, sample_rows
+from minispec.speculative import SAMPLERS, PromptLookupDrafter, SpeculativeStats, acceptance, choose_k, residual, verify
+
+# ---- hypothesis strategies: probability vectors with zeros, tiny entries, one-hots, equal and disjoint pairs ----
+
+entry = st.one_of(st.just(0.0), st.floats(1e-30, 1e-6), st.floats(1e-3, 1.0))
+
+
+def normalised(xs: list[float]) -> torch.Tensor:
+    t = torch.tensor(xs, dtype=torch.float64)
+    return t / t.sum()
+
+
+@st.composite
+def distribution_pairs(draw):
+    V = draw(st.integers(1, 12))
+    kind = draw(st.sampled_from(["independent", "equal", "disjoint", "one-hot p", "one-hot q", "one-hot both"]))
+
+    def dist(allowed: list[int]) -> torch.Tensor:
+        xs = [draw(entry) if i in allowed else 0.0 for i in range(V)]
+        xs[draw(st.sampled_from(allowed))] += draw(st.floats(1e-3, 1.0))  # at least one positive entry
+        return normalised(xs)
+
+    def one_hot() -> torch.Tensor:
+        return torch.zeros(V, dtype=torch.float64).index_fill_(0, torch.tensor(draw(st.integers(0, V - 1))), 1.0)
+
+    if kind == "equal":
+        p = dist(list(range(V)))
+        return p, p.clone()
+    if kind == "disjoint" and V >= 2:
+        cut = draw(st.integers(1, V - 1))
+        return dist(list(range(cut))), dist(list(range(cut, V)))
+    p = one_hot() if kind in ("one-hot p", "one-hot both") else dist(list(range(V)))
+    q = one_hot() if kind in ("one-hot q", "one-hot both") else dist(list(range(V)))
+    return p, q
+
+
+@settings(derandomize=True, deadline=None, max_examples=400)
+@given(distribution_pairs())
+def test_acceptance_plus_residual_is_p(pq):
+    p, q = pq
+    accept, reject, res = acceptance(p, q)
+    emitted = q * accept + reject * res
+    torch.testing.assert_close(emitted, p, rtol=0, atol=1e-9)
+    assert ((accept >= 0) & (accept <= 1)).all()
+    assert abs(float(reject) - (1 - float((q * accept).sum()))) < 1e-9  # reject is P(rejection)
+    assert (res >= 0).all() and abs(float(res.sum()) - 1) < 1e-9  # the residual is a distribution
+    if reject > 0:  # (with no rejection mass the residual is p itself, weighted by 0)
+        assert (res[p <= q] == 0).all()  # it never proposes a token the draft already over-covers
+
+
+def test_residual_edge_cases():
+    p = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(residual(p, p), p)  # no mass: p itself (a rejection cannot happen)
+    torch.testing.assert_close(residual(p, torch.tensor([0.0, 0.0, 1.0])), torch.tensor([0.4, 0.6, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(residual(p, torch.tensor([0.0, 1.0, 0.0])), torch.tensor([2 / 7, 0.0, 5 / 7], dtype=torch.float64))
+    accept, reject, _ = acceptance(p, torch.tensor([0.0, 0.5, 0.5]))
+    assert accept.tolist() == [1.0, 0.6, 1.0] and float(reject) == pytest.approx(0.2)  # q = 0: accept 1 by convention
+
+
+@settings(derandomize=True, deadline=None, max_examples=25)
+@given(distribution_pairs(), st.data())
+def test_verify_integrated_over_its_uniforms_emits_p(pq, data):
+    # run the real `verify` (k = 1) on a midpoint grid of both uniforms, weighted by q(d): the
+    # first emitted token is distributed as p, up to the grid's resolution
+    p, q = pq
+    V, G = p.shape[0], 200
+    grid = ((torch.arange(G, dtype=torch.float64) + 0.5) / G).tolist()
+    p_rows = torch.stack([p, normalised(data.draw(st.lists(st.floats(0.01, 1.0), min_size=V, max_size=V)))])
+    emitted = torch.zeros(V, dtype=torch.float64)
+    for d in torch.nonzero(q).flatten().tolist():
+        rejected = [u0 for u0 in grid if verify([d], q[None], p_rows, torch.tensor([u0, 0.5]))[0] == 0]
+        emitted[d] += q[d] * (G - len(rejected)) / G
+        if rejected:  # the token after a rejection, over the second uniform's grid
+            for u1 in grid:
+                n, t = verify([d], q[None], p_rows, torch.tensor([rejected[0], u1]))
+                emitted[t] += q[d] * len(rejected) / G / G
+    assert torch.allclose(emitted, p, atol=4 / G), (emitted, p)
+
+
+def test_verify_rules():
+    V = 4
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    p = torch.tensor([[0.4, 0.1, 0.1, 0.4], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    # d_1 = 1: accept iff u < p/q = 0.5; d_2 = 2: p/q = 4, always accepted; then the bonus from p_3
+    assert verify([1, 2], q, p, torch.tensor([0.49, 0.99, 0.3])) == (2, 3)
+    # rejected at d_1: the residual max(0, p_1 - q_1) = (0.3, 0, 0, 0) is all on token 0
+    assert verify([1, 2], q, p, torch.tensor([0.5, 0.0, 0.3])) == (0, 0)
+    assert verify([1, 2], q, p, torch.tensor([0.5, 0.0, 0.99])) == (0, 0)
+    assert verify([], q[:0], p[2:], torch.tensor([0.7])) == (0, 3)  # k = 0: a plain target step
+    # greedy: one-hot p and q accept iff equal, and the residual is the target's argmax
+    oh = torch.eye(V, dtype=torch.float64)
+    assert verify([2, 1], oh[[2, 1]], oh[[2, 3, 0]], torch.tensor([0.9, 0.9, 0.9])) == (1, 3)
+    assert verify([2, 3], oh[[2, 3]], oh[[2, 3, 0]], torch.tensor([0.9, 0.9, 0.9])) == (2, 0)
+    # the broken variants do what their names say
+    assert verify([1, 0], q, p, torch.tensor([0.99, 0.99, 0.0]), sampler="always-accept") == (2, 3)
+    # d = 2 (p/q = 1/3) rejected; resampling from p_1 (cdf 0.4, 0.5, 0.6, 1) at 0.55 returns the rejected token
+    assert verify([2], q[:1], p[:2], torch.tensor([0.99, 0.55]), sampler="no-residual") == (0, 2)
+    assert verify([2], q[:1], p[:2], torch.tensor([0.99, 0.55])) == (0, 0)  # the residual never does
+
+
+def test_verify_rejects_bad_inputs():
+    q = torch.tensor([[0.0, 1.0]])
+    p = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    with pytest.raises(ValueError, match="q = 0"):
+        verify([0], q, p, torch.tensor([0.1, 0.1]))
+    with pytest.raises(ValueError, match=r"p \(2, V\)"):
+        verify([1], q, p[:1], torch.tensor([0.1, 0.1]))
+
+
+def test_sample_rows_is_the_inverse_cdf():
+    """The token drawn for uniform u is the first whose cumulative probability exceeds u."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    for _ in range(200):
+        u = torch.rand(3, generator=gen, dtype=torch.float64)
+        expected = [int((row.cumsum(0) > x).nonzero()[0]) for row, x in zip(probs, u)]
+        assert sample_rows(probs, u) == expected
+    # never a zero-probability token, even at the top of [0, 1)
+    top = torch.tensor([1 - 2**-53] * 3, dtype=torch.float64)
+    assert sample_rows(probs, top) == [3, 2, 1]
+    # sampling.sample draws its uniform from the generator, and nothing else
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert sample(probs[0], g1) == sample_rows(probs[:1], torch.rand(1, generator=g2, dtype=torch.float64))[0]
+
+
+def test_prompt_lookup():
+    lk = PromptLookupDrafter(ngram=3, min_ngram=1)
+    assert lk.lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2) == [8, 1]  # the most recent earlier match
+    assert lk.lookup([5, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]  # longest n that matches: (2, 3)
+    assert lk.lookup([4, 1, 2, 3], 2) == []  # no earlier occurrence of any tail
+    assert lk.lookup([7, 7], 5) == [7]  # the continuation stops at the end of the context
+    assert lk.lookup([7], 5) == []
+    assert PromptLookupDrafter(ngram=3, min_ngram=2).lookup([5, 3, 6, 3], 2) == []  # 1-gram matches are off
+    lk.start({}, {}, None, 16, 10)
+    tokens, qs = lk.propose([0, 1], [2, 0], {0: [1, 2, 1], 1: [1, 1]}, None)
+    assert tokens == [[2, 1], []]
+    assert qs[0].tolist() == torch.eye(10, dtype=torch.float64)[[2, 1]].tolist() and qs[1].shape == (0, 10)
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(ngram=1, min_ngram=2)
+
+
+def test_choose_k_and_stats():
+    stats = SpeculativeStats()
+    assert choose_k(5, stats) == 5
+    with pytest.raises(NotImplementedError, match="auto"):
+        choose_k("auto", stats)
+    stats._count(3, 1)
+    stats._count(2, 2)
+    stats.committed = 5
+    assert (stats.drafted, stats.accepted, stats.sequence_rounds) == (5, 3, 2)
+    assert stats.position_drafted == [2, 2, 1] and stats.position_accepted == [2, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(0.6) and stats.mean_accepted == pytest.approx(2.5)
+    assert stats.position_acceptance == [1.0, 0.5, 0.0]
+    assert SpeculativeStats().acceptance_rate == 0.0 and SpeculativeStats().mean_accepted == 0.0
+
+
+# ---- argument checks: clear errors ----
+
+def tiny(vocab_size=16, **kw) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=vocab_size, dim=16, n_layers=1, n_heads=2, max_seq_len=32, **kw))
+
+
+class FakeTokenizer:
+    def __init__(self, fingerprint):
+        self.fingerprint = fingerprint
+
+
+def test_errors():
+    target, draft = tiny(), tiny()
+    with pytest.raises(ValueError, match="vocab_size=12 differs from target vocab_size=16"):
+        target.speculate(tiny(vocab_size=12), [1, 2])
+    for kk in (0, -1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="k .* must be an integer >= 1"):
+            target.speculate(draft, [1, 2], k=kk)
+    with pytest.raises(NotImplementedError, match="adaptive"):
+        target.speculate(draft, [1, 2], k="auto")
+    with pytest.raises(ValueError, match="temperature"):
+        target.speculate(draft, [1, 2], temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        target.speculate(draft, [1, 2], top_k=0)
+    for tp in (0.0, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            target.speculate(draft, [1, 2], top_p=tp)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        target.speculate(draft, [1, 2], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="sampler must be one of exact, no-residual, always-accept, unprocessed-q"):
+        target.speculate(draft, [1, 2], sampler="greedy")
+    assert SAMPLERS[0] == "exact"
+    with pytest.raises(ValueError, match="unknown drafter 'ngram'"):
+        target.speculate("ngram", [1, 2])
+    with pytest.raises(ValueError, match="draft must be a Transformer"):
+        target.speculate(42, [1, 2])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target.speculate(draft, [1, 99])
+
+
+def test_tokenizer_mismatch():
+    target, draft = tiny(), tiny()
+    target.tokenizer = FakeTokenizer("abc")
+    with pytest.raises(ValueError, match="only the target has a tokenizer"):
+        target.speculate(draft, [1, 2], max_new_tokens=2)
+    draft.tokenizer = FakeTokenizer("xyz")
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        target.speculate(draft, [1, 2], max_new_tokens=2)
+    draft.tokenizer = FakeTokenizer("abc")  # another object, the same fingerprint: fine
+    assert len(target.speculate(draft, [1, 2], max_new_tokens=2, stop_tokens=[]).tokens) == 2
+    target.tokenizer = None
+    with pytest.raises(ValueError, match="only the draft has a tokenizer"):
+        target.speculate(draft, [1, 2], max_new_tokens=2)
