@@ -98,11 +98,81 @@ def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: 
     return k, sample_rows(p[k].unsqueeze(0), u_next)[0]
 
 
-def choose_k(k: int | str, stats: "SpeculativeStats") -> int:
-    """Draft length for the next round. The hook for adaptive k: today only a fixed k."""
-    if k == "auto":
-        raise NotImplementedError("k='auto' (adaptive draft length) is not implemented yet; pass an integer k >= 1")
-    return k
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one round commits when each draft token is accepted independently with probability a:
+    1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_k(a: float, c: float, k_max: int = 8) -> int:
+    """The draft length with the most tokens per unit of time.
+
+    a: per-token acceptance probability; c: one draft step's cost relative to
+    one verify pass. A round of k drafts costs k*c + 1 verify passes and yields
+    expected_tokens(a, k); k = 0 is plain decoding (1 token for 1 pass), chosen
+    when speculation would not pay. Ties go to the smaller k.
+    """
+    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + k * c), -k))
+
+
+class AdaptiveK:
+    """k="auto": picks each round's k from running estimates of acceptance and of the step costs.
+
+    Acceptance is the maximum-likelihood estimate under the model above: each
+    accepted draft is a success, each rejection a failure (a round that accepts
+    all k has no failure), with older rounds decayed so the estimate follows the
+    text. Costs are decayed averages of the measured draft-step and verify times.
+    While plain decoding is chosen, one round in `probe_every` drafts a single
+    token so the estimates stay fresh.
+    Measured times make the choice of k depend on the machine, so a seeded run
+    is reproducible only up to the k's chosen (the distribution is exact
+    either way: each round's k depends only on earlier rounds). Pass
+    `cost_ratio` (draft step / verify pass) to fix the costs and make it
+    deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
+    """
+
+    def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 4,
+                 cost_ratio: float | None = None):
+        if not (isinstance(k_max, int) and k_max >= 1):
+            raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+        if cost_ratio is not None and not cost_ratio >= 0:
+            raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
+        self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
+        self.k_start = min(k_start, k_max)
+        self.successes = self.failures = 0.0
+        self.draft_step_s = self.verify_s = None
+        self.plain_rounds = 0
+
+    @property
+    def acceptance(self) -> float:
+        total = self.successes + self.failures
+        return self.successes / total if total else 0.0
+
+    def choose(self) -> int:
+        if self.cost_ratio is not None:
+            c = self.cost_ratio
+        elif self.draft_step_s is None or self.verify_s is None:
+            return self.k_start  # nothing measured yet
+        else:
+            c = self.draft_step_s / self.verify_s
+        if self.successes + self.failures == 0:
+            return self.k_start
+        k = best_k(self.acceptance, c, self.k_max)
+        if k == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds % self.probe_every == 0:
+                return 1
+        return k
+
+    def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int, verify_s: float) -> None:
+        """One round's outcome: per sequence drafts and acceptances; wall times of drafting and verifying."""
+        d = self.decay
+        self.successes = d * self.successes + sum(accepted)
+        self.failures = d * self.failures + sum(n < k for n, k in zip(accepted, drafted))
+        ema = lambda old, new: new if old is None else d * old + (1 - d) * new  # noqa: E731
+        if draft_steps > 0:
+            self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
+        self.verify_s = ema(self.verify_s, verify_s)
 
 
 # ---------------------------------------------------------------------------
@@ -120,6 +190,7 @@ class SpeculativeStats:
     position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted
     draft_time_s: float = 0.0  # wall time spent drafting
     verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
+    k_chosen: list[int] = field(default_factory=list)  # the k asked for in each round (varies with k="auto")
 
     @property
     def acceptance_rate(self) -> float:
@@ -369,13 +440,16 @@ def make_drafter(target, draft, sampler: str) -> Drafter:
 # the loop
 # ---------------------------------------------------------------------------
 
-def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64, temperature: float = 0.0,
+def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_tokens: int = 64, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
               on_tokens: OnTokens | None = None, block_size: int = 16, sampler: str = "exact",
               keep_caches: bool = False) -> SpeculativeResult:
     """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
+    k: draft tokens per round; "auto" picks k each round from the running acceptance
+      estimate and the measured step costs (AdaptiveK; 0 = plain decoding when
+      speculation would not pay); or an AdaptiveK with settings of your own.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
     on_tokens, block_size: as in minispec.generate.generate (sequence i of a
     batch samples from the generator seeded seed + i; temperature 0 gives
@@ -389,10 +463,10 @@ def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64
     check_max_new_tokens(max_new_tokens)
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
-    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+    if k != "auto" and not isinstance(k, AdaptiveK) and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise ValueError(f"k (draft tokens per round) must be an integer >= 1 or 'auto', got {k!r}")
     stats = SpeculativeStats()
-    choose_k(k, stats)  # fail now, not after the prefill, if this k cannot be served
+    adaptive = AdaptiveK() if k == "auto" else k if isinstance(k, AdaptiveK) else None
     drafter = make_drafter(target, draft, sampler)
     batch, single = normalize_prompts(target, prompts)
     stops = resolve_stop_tokens(target, stop_tokens)
@@ -409,7 +483,7 @@ def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
-        kr = choose_k(k, stats)
+        kr = adaptive.choose() if adaptive else k
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
         t0 = time.perf_counter()
@@ -425,13 +499,14 @@ def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64
         b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
         t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
         probs = logits_to_probs(logits[b_idx, t_idx], params).double().cpu()  # (sum over rows of k_b + 1, V)
-        still, start = [], 0
+        still, start, n_accepted = [], 0, []
         for b, i in enumerate(active):
             kb = len(drafts[b])
             p, start = probs[start:start + kb + 1], start + kb + 1
             uniforms = torch.rand(kb + 1, generator=gens[i], dtype=torch.float64)
             n, nxt = verify(drafts[b], qs[b], p, uniforms, sampler)
             stats._count(kb, n)
+            n_accepted.append(n)
             new = drafts[b][:n] + [nxt]
             for j, t in enumerate(new):  # a stop token inside the accepted run ends the sequence there
                 if t in stops:
@@ -450,9 +525,13 @@ def speculate(target, draft, prompts, k: int | str = 4, max_new_tokens: int = 64
                 drafter.finish(i, keep=keep_caches)
             else:
                 still.append(i)
+        t2 = time.perf_counter()
+        if adaptive is not None:
+            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, max(map(len, drafts)), t2 - t1)
         active = still
         stats.rounds += 1
+        stats.k_chosen.append(kr)
         stats.draft_time_s += t1 - t0
-        stats.verify_time_s += time.perf_counter() - t1
+        stats.verify_time_s += t2 - t1
     caches = (tgt, getattr(drafter, "rows", None)) if keep_caches else None
     return SpeculativeResult(out[0] if single else out, stats, caches)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minispec import ModelConfig, Transformer
 from minispec.sampling import sample, sample_rows
-from minispec.speculative import SAMPLERS, PromptLookupDrafter, SpeculativeStats, acceptance, choose_k, residual, verify
+from minispec.speculative import SAMPLERS, PromptLookupDrafter, SpeculativeStats, AdaptiveK, acceptance, best_k, expected_tokens, residual, verify
 
 # ---- hypothesis strategies: probability vectors with zeros, tiny entries, one-hots, equal and disjoint pairs ----
 
@@ -155,11 +155,32 @@ def test_prompt_lookup():
         PromptLookupDrafter(ngram=1, min_ngram=2)
 
 
-def test_choose_k_and_stats():
+def test_expected_tokens_and_best_k():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # brute force: tokens per unit cost over k = 0..8
+    for a in (0.0, 0.3, 0.6, 0.8, 0.95, 1.0):
+        for c in (0.0, 0.05, 0.2, 0.6, 1.5):
+            rate = [expected_tokens(a, k) / (1 + k * c) for k in range(9)]
+            assert rate[best_k(a, c)] == pytest.approx(max(rate))
+    assert best_k(0.0, 0.1) == 0  # a draft that is never accepted: plain decoding
+    assert best_k(0.9, 1.0) == 0  # a draft as slow as the target never pays
+    assert best_k(1.0, 0.0) == 8 and best_k(0.8, 0.05) > best_k(0.5, 0.05) > 0
+
+
+def test_adaptive_k_follows_its_estimates():
+    ak = AdaptiveK(k_max=8, probe_every=4)
+    assert ak.choose() == 4  # nothing measured yet
+    for _ in range(30):  # a good cheap draft: 4 of 4 accepted most rounds
+        ak.update([4, 4], [4, 3], draft_s=0.04, draft_steps=4, verify_s=0.1)
+    assert ak.acceptance == pytest.approx(7 / 8) and ak.choose() == best_k(7 / 8, 0.1) >= 4
+    for _ in range(60):  # the text changes: nothing is accepted any more
+        ak.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
+    assert [ak.choose() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # plain decoding, with a probe round
+
+
+def test_stats():
     stats = SpeculativeStats()
-    assert choose_k(5, stats) == 5
-    with pytest.raises(NotImplementedError, match="auto"):
-        choose_k("auto", stats)
     stats._count(3, 1)
     stats._count(2, 2)
     stats.committed = 5
@@ -189,8 +210,9 @@ def test_errors():
     for kk in (0, -1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="k .* must be an integer >= 1"):
             target.speculate(draft, [1, 2], k=kk)
-    with pytest.raises(NotImplementedError, match="adaptive"):
-        target.speculate(draft, [1, 2], k="auto")
+    res = target.speculate(draft, [1, 2], k="auto", max_new_tokens=20, stop_tokens=[])  # adaptive k is exact too
+    assert res.tokens == target.generate([1, 2], max_new_tokens=20, stop_tokens=[])
+    assert len(res.stats.k_chosen) == res.stats.rounds and res.stats.k_chosen[0] == 4
     with pytest.raises(ValueError, match="temperature"):
         target.speculate(draft, [1, 2], temperature=-1.0)
     with pytest.raises(ValueError, match="top_k"):

@@ -17,7 +17,7 @@ import torch
 
 from minispec import ModelConfig, SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
-from minispec.speculative import PromptLookupDrafter
+from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
 V = 8  # vocabulary: V**3 = 512 possible continuations of 3 tokens
 N = 3000  # samples per run: enough power for the negative controls, a second or two per run
@@ -113,6 +113,8 @@ def run(models, draft, k, temperature, top_k=None, top_p=None, sampler="exact", 
     """p-value of one batched speculate run against the enumerated target distribution; also the stats."""
     target = models["target"]
     drafter = models[draft] if draft in models else draft
+    if k == "adaptive":  # fixed costs, so the k's chosen (and the test) are deterministic
+        k = AdaptiveK(k_max=3, cost_ratio=0.1, k_start=1)
     res = target.speculate(drafter, [prompt] * n, k=k, max_new_tokens=n_new, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, stop_tokens=list(stops), sampler=sampler)
     exact = exact_distribution(target, prompt, n_new, SamplingParams(temperature, top_k, top_p), set(stops))
@@ -125,6 +127,7 @@ EXACT_FAST = [  # (draft, k, temperature, top_k, top_p)
     ("truncated-peaked", 3, 0.5, 3, None),
     ("near-uniform", 1, 1.5, None, 0.9),
     ("target", 5, 1.0, None, None),
+    ("truncated", "adaptive", 1.0, None, None),  # k chosen per round from the acceptance so far
 ]
 EXACT_SLOW = [
     ("small", 2, 1.5, 4, 0.8),
