@@ -11,11 +11,13 @@ names to minispec's; the converters reuse it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -117,23 +119,37 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
 
 
 def save_pretrained(model, path, dtype: torch.dtype | None = None) -> None:
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
              for k, v in model.state_dict().items()}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
-    try:
+    with atomic_output_dir(path, overwrite=True) as tmp:
         model.config.save(str(tmp / CONFIG_NAME))
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "minispec"})
         tok = getattr(model, "tokenizer", None)
         if tok is not None:
             tok.save(tmp)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside `dst`; on success it becomes `dst`.
+
+    On any exception the temporary directory is removed and `dst` is untouched
+    (an existing `dst` is replaced only after the new one is complete).
+    """
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; choose another output directory or pass --overwrite")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes the directory private; a checkpoint is meant to be shared
+    try:
+        yield tmp
         old = None
-        if path.exists():
-            old = parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
+        if dst.exists():
+            old = parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+        os.replace(tmp, dst)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -1,10 +1,481 @@
-"""Tokenizers (placeholder until the tokenizer backends land)."""
+"""Tokenizers: one interface, two backends.
 
+- tokenizer.json, run by Hugging Face's `tokenizers` library (byte-level BPE such as GPT-2,
+  SmolLM2 or Llama 3; anything else that library reads);
+- tokenizer.model, a SentencePiece model run by `sentencepiece` (Llama 2, Mistral, TinyLlama).
+
+`load_tokenizer(dir)` picks tokenizer.json when present, else tokenizer.model, and reads
+tokenizer_config.json for the special tokens, add_bos_token and the chat template.
+
+The tokenizer.json backend gives the ids transformers gives for the same files. The
+SentencePiece backend gives sentencepiece's own ids (what the model was trained on) and,
+like transformers, matches control pieces written in the text (``<s>``) whole. It differs
+from transformers only where transformers departs from sentencepiece: on text that starts
+with whitespace or an added token, transformers adds no dummy-prefix space. Both backends'
+`decode` keep special tokens unless `skip_special_tokens=True`, as transformers does.
+
+`Tokenizer.fingerprint` hashes what decides the ids (vocabulary, merges or piece scores,
+added tokens, special ids) so a draft and a target can prove they share a tokenizer.
+`Tokenizer.decoder_stream()` turns ids into text as they are generated without ever
+emitting half a UTF-8 character, and its pieces add up to `decode(all_ids)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime
 from pathlib import Path
 
+JSON_FILE, SPM_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
+# files carried verbatim by save(): what load read is what save writes
+_CARRIED = (JSON_FILE, SPM_FILE, CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
 
-def load_tokenizer(path):
+
+class TokenizerError(ValueError):
+    """Tokenizer files are missing, inconsistent, or cannot be used."""
+
+
+def _token_text(tok) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# backends: plain encode/decode without bos/eos; the Tokenizer adds those
+
+class _JsonBackend:
+    """tokenizer.json through the `tokenizers` library."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, data: bytes):
+        from tokenizers import Tokenizer as HFTokenizer
+        text = data.decode("utf-8")
+        try:
+            self.tok = HFTokenizer.from_str(text)
+        except Exception as e:
+            raise TokenizerError(f"{JSON_FILE} cannot be read by the tokenizers library ({e})") from None
+        self.spec = json.loads(text)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(t["id"] for t in self.spec.get("added_tokens", []) if t.get("special"))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_template(self, text: str) -> list[int]:
+        """What the file's own post-processor adds (e.g. Llama 3's <|begin_of_text|>)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def fingerprint_payload(self) -> dict:
+        model = self.spec.get("model", {})
+        vocab = model.get("vocab")
+        if isinstance(vocab, dict):  # BPE, WordPiece: token -> id, listed in id order
+            vocab = sorted(([i, t] for t, i in vocab.items()))
+        merges = model.get("merges")
+        if merges is not None:  # older files spell a merge "a b", newer ones ["a", "b"]
+            merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
+        added = sorted([t["id"], t["content"], bool(t.get("special"))] for t in self.spec.get("added_tokens", []))
+        return {"model": model.get("type"), "vocab": vocab, "merges": merges, "added": added}
+
+
+# a minimal protobuf reader/writer: enough to read a SentencePiece ModelProto's piece types and
+# normalizer flags and to flip one flag, without depending on the protobuf package
+
+def _pb_fields(data: bytes):
+    """Top-level (field number, wire type, value) triples of a serialized protobuf message."""
+    i, out = 0, []
+
+    def varint(i):
+        v = shift = 0
+        while True:
+            b = data[i]
+            i += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return v, i
+    while i < len(data):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = varint(i)
+        elif wire == 1:
+            v, i = data[i:i + 8], i + 8
+        elif wire == 2:
+            n, i = varint(i)
+            v, i = data[i:i + n], i + n
+        elif wire == 5:
+            v, i = data[i:i + 4], i + 4
+        else:
+            raise TokenizerError(f"{SPM_FILE}: unexpected protobuf wire type {wire}; the file may be corrupt")
+        out.append((field, wire, v))
+    return out
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb_key(field: int, wire: int) -> bytes:
+    return _varint_bytes(field << 3 | wire)
+
+
+def _pb_value(wire: int, v) -> bytes:
+    if wire == 0:
+        return _varint_bytes(v)
+    if wire == 2:
+        return _varint_bytes(len(v)) + v
+    return v  # fixed 32/64-bit: raw bytes
+
+
+class _SentencePieceBackend:
+    """tokenizer.model through `sentencepiece`.
+
+    Two things sentencepiece does not do and Hugging Face does, done here: control pieces
+    written in the text (``<s>``) are matched whole, and the text after such a piece gets no
+    dummy-prefix space (what HF's Metaspace(prepend_scheme="first") does). The second needs a
+    copy of the model with NormalizerSpec.add_dummy_prefix off, made by editing the protobuf:
+    ModelProto field 3 is the NormalizerSpec, whose field 3 is add_dummy_prefix.
+    """
+
+    kind = "tokenizer.model"
+
+    def __init__(self, data: bytes):
+        import sentencepiece as spm
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=data)
+            fields = _pb_fields(data)
+        except TokenizerError:
+            raise
+        except Exception as e:
+            raise TokenizerError(f"{SPM_FILE} cannot be read by sentencepiece ({e}); the file may be corrupt") from None
+        self.types = []  # piece types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)
+        normalizer = b""
+        for f, _, v in fields:
+            if f == 1:
+                sub = {ff: vv for ff, _, vv in _pb_fields(v)}
+                self.types.append(sub.get(3, 1))
+            elif f == 3:
+                normalizer = v
+        norm = {f: v for f, _, v in _pb_fields(normalizer)}
+        self.add_dummy_prefix = bool(norm.get(3, 1))
+        self.normalizer = {"name": norm.get(1, b"").decode("utf-8", "replace"), "add_dummy_prefix": self.add_dummy_prefix,
+                           "remove_extra_whitespaces": bool(norm.get(4, 1)), "escape_whitespaces": bool(norm.get(5, 1))}
+        self.sp_no_prefix = self.sp
+        if self.add_dummy_prefix:
+            patched = b"".join(p for p in self._without_dummy_prefix(fields))
+            self.sp_no_prefix = spm.SentencePieceProcessor(model_proto=patched)
+        self.vocab_size = self.sp.get_piece_size()
+        self.special_ids = frozenset(i for i, t in enumerate(self.types) if t in (2, 3))
+        # control and unknown pieces written in the text are matched whole, longest first
+        names = sorted((self.sp.id_to_piece(i) for i in self.special_ids), key=len, reverse=True)
+        self.piece_ids = {self.sp.id_to_piece(i): i for i in sorted(self.special_ids, reverse=True)}
+        self.split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+
+    @staticmethod
+    def _without_dummy_prefix(fields):
+        for f, wire, v in fields:
+            if f == 3:
+                body = b"".join(_pb_key(ff, w) + _pb_value(w, vv) for ff, w, vv in _pb_fields(v) if ff != 3)
+                body += _pb_key(3, 0) + b"\x00"
+                yield _pb_key(3, 2) + _pb_value(2, body)
+            else:
+                yield _pb_key(f, wire) + _pb_value(wire, v)
+
+    def encode(self, text: str) -> list[int]:
+        if self.split is None:
+            return self.sp.encode(text) if text else []
+        ids, first = [], True
+        for k, part in enumerate(self.split.split(text)):
+            if k % 2:  # a special piece
+                ids.append(self.piece_ids[part])
+            elif part:
+                ids += (self.sp if first else self.sp_no_prefix).encode(part)
+            first = False
+        return ids
+
+    def encode_with_template(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """sentencepiece's decode, with special pieces shown as their text unless skipped (as Hugging Face does)."""
+        if skip_special_tokens:
+            return self.sp.decode([i for i in ids if i not in self.special_ids])
+        parts, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    parts.append(self._decode_run(run, at_start=not parts))
+                    run = []
+                parts.append(self.sp.id_to_piece(i))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self._decode_run(run, at_start=not parts))
+        return "".join(parts)
+
+    def _decode_run(self, ids, at_start: bool) -> str:
+        # sentencepiece drops the dummy-prefix space of a run's first piece; only the text's very
+        # first piece had one added, so after a special piece the space is kept
+        text = self.sp.decode(ids)
+        if not at_start and self.add_dummy_prefix and self.sp.id_to_piece(ids[0]).startswith("\u2581"):
+            text = " " + text
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return None if i == self.sp.unk_id() and token != self.sp.id_to_piece(i) else i
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
+
+    def fingerprint_payload(self) -> dict:
+        pieces = [[self.sp.id_to_piece(i), self.sp.get_score(i), self.types[i]] for i in range(self.vocab_size)]
+        return {"model": "sentencepiece", "pieces": pieces, "normalizer": self.normalizer}
+
+
+# ---------------------------------------------------------------------------------------------
+# the Tokenizer
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint; see the module docstring.
+
+    bos_id / eos_id: the special ids (None when the tokenizer has none); eos_ids: a tuple of
+    every end-of-sequence id. add_bos: whether encode() prepends bos by default: tokenizer_config's
+    add_bos_token when it says; otherwise True for SentencePiece (as Llama does) and, for
+    tokenizer.json, whatever the file's own post-processor does (Llama 3 adds
+    <|begin_of_text|>, GPT-2 and SmolLM2 add nothing).
+    """
+
+    def __init__(self, files: dict[str, bytes]):
+        self._files = dict(files)
+        if JSON_FILE in files:
+            self.backend = _JsonBackend(files[JSON_FILE])
+        elif SPM_FILE in files:
+            self.backend = _SentencePieceBackend(files[SPM_FILE])
+        else:
+            raise TokenizerError(f"no {JSON_FILE} or {SPM_FILE} among the tokenizer files {sorted(files)}")
+        try:
+            self.config = json.loads(files[CONFIG_FILE]) if CONFIG_FILE in files else {}
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+        specials = {}
+        if "special_tokens_map.json" in files:
+            specials = json.loads(files["special_tokens_map.json"])
+        self.special_tokens = {}  # bos_token, eos_token, ... -> text, for chat templates
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            text = _token_text(self.config.get(name, specials.get(name)))
+            if text is not None:
+                self.special_tokens[name] = text
+        self.bos_id = self._special_id("bos_token")
+        eos = self.config.get("eos_token", specials.get("eos_token"))
+        eos_list = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = tuple(i for i in (self._id_of(_token_text(t), "eos_token") for t in eos_list) if i is not None)
+        if isinstance(self.backend, _SentencePieceBackend):
+            sp = self.backend.sp
+            if self.bos_id is None and "bos_token" not in self.config and sp.bos_id() >= 0:
+                self.bos_id = sp.bos_id()
+            if not self.eos_ids and "eos_token" not in self.config and sp.eos_id() >= 0:
+                self.eos_ids = (sp.eos_id(),)
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
+        for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
+            if i is not None:
+                self.special_tokens.setdefault(name, self.backend.id_to_token(i))
+        self.add_bos = self._default_add_bos()
+        self.add_eos = bool(self.config.get("add_eos_token", False))
+        self.chat_template = self._find_chat_template()
+
+    # -- construction helpers
+
+    def _id_of(self, text: str | None, what: str) -> int | None:
+        if text is None:
+            return None
+        i = self.backend.token_to_id(text)
+        if i is None:
+            raise TokenizerError(f"{CONFIG_FILE}: {what} {text!r} is not in the vocabulary")
+        return i
+
+    def _special_id(self, name: str) -> int | None:
+        return self._id_of(self.special_tokens.get(name), name)
+
+    def _default_add_bos(self) -> bool:
+        if "add_bos_token" in self.config:
+            return bool(self.config["add_bos_token"]) and self.bos_id is not None
+        if isinstance(self.backend, _SentencePieceBackend):
+            return self.bos_id is not None
+        templated = self.backend.encode_with_template("a")
+        return self.bos_id is not None and len(templated) > 1 and templated[0] == self.bos_id
+
+    def _find_chat_template(self) -> str | None:
+        if "chat_template.jinja" in self._files:
+            return self._files["chat_template.jinja"].decode("utf-8")
+        t = self.config.get("chat_template")
+        if isinstance(t, list):  # several named templates: the default one
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            t = named.get("default")
+        return t
+
+    # -- the interface
+
+    @property
+    def kind(self) -> str:
+        return self.backend.kind
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.vocab_size
+
+    def encode(self, text: str, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """Text -> ids. bos=None follows `self.add_bos`; special tokens in the text are matched whole."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        ids = self.backend.encode(text)
+        if bos if bos is not None else self.add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("bos=True, but this tokenizer has no bos token")
+            ids = [self.bos_id] + ids
+        if eos:
+            if self.eos_id is None:
+                raise TokenizerError("eos=True, but this tokenizer has no eos token")
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Ids -> text; special tokens are shown unless skip_special_tokens."""
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens) if ids else ""
+
+    def decoder_stream(self, skip_special_tokens: bool = False) -> "DecoderStream":
+        """An incremental decoder: push(ids) returns the new complete text; flush() the rest."""
+        return DecoderStream(self, skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the vocabulary, merges/pieces, added tokens and special ids (hex)."""
+        payload = {**self.backend.fingerprint_payload(), "bos_id": self.bos_id, "eos_ids": list(self.eos_ids)}
+        blob = json.dumps(payload, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the checkpoint's own Jinja chat template over `messages` ([{"role", "content"}, ...]).
+
+        Rendered as transformers does: a sandboxed jinja2 environment with trim_blocks and
+        lstrip_blocks, the special tokens (bos_token, eos_token, ...) as variables, and the
+        tojson filter, raise_exception and strftime_now helpers. Encode the result with bos=False:
+        templates write their own bos.
+        """
+        if self.chat_template is None:
+            raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template'); "
+                                 "use a plain prompt instead of --chat")
+        return _render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                     **self.special_tokens, **kwargs)
+
+    def save(self, path) -> None:
+        """Write the tokenizer files (as they were read) into the directory `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in self._files.items():
+            (path / name).write_bytes(data)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, "
+                f"add_bos={self.add_bos})")
+
+
+class DecoderStream:
+    """Incremental detokenization for streaming.
+
+    push(ids) returns only text that can no longer change: it decodes a short window of
+    recent ids and holds back output while it ends in U+FFFD (an incomplete UTF-8 character,
+    e.g. the first byte token of an emoji). Decoding a window rather than one token at a time
+    keeps context-dependent detail right, such as the space a SentencePiece "\u2581" piece
+    stands for, which decode() drops only at the very start of a text. The window restarts at
+    the last point where everything before it was emitted whole, so the joined output of all
+    pushes plus flush() equals decode(all ids).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tok, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: a position where the text before it is final
+        self.read = 0  # ids[prefix:read] decode to text that has already been emitted
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held back (a trailing incomplete character decodes to U+FFFD)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], self.skip)
+        self.prefix = self.read = len(self.ids)
+        return text[len(prefix_text):]
+
+
+def _render_chat_template(template: str, messages, add_generation_prompt: bool, **variables) -> str:
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 is a dependency
+        raise TokenizerError("chat templates need jinja2: pip install jinja2") from None
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **variables)
+    except TemplateError as e:
+        raise TokenizerError(f"the chat template failed: {e}") from None
+
+
+def load_tokenizer(path) -> Tokenizer | None:
+    """The tokenizer in checkpoint directory `path`, or None when it has no tokenizer.json / tokenizer.model."""
     path = Path(path)
-    if any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
-        raise NotImplementedError("tokenizer backends are not written yet")
-    return None
+    if not any((path / n).is_file() for n in (JSON_FILE, SPM_FILE)):
+        return None
+    files = {n: (path / n).read_bytes() for n in _CARRIED if (path / n).is_file()}
+    try:
+        return Tokenizer(files)
+    except TokenizerError as e:
+        raise TokenizerError(f"{path}: {e}") from None

@@ -1,8 +1,9 @@
-"""Helpers shared by the checkpoint tools (convert_hf.py, export_hf.py).
+"""Helpers shared by the checkpoint tools (convert_hf.py, convert_gguf.py, export_hf.py).
 
-- `atomic_output_dir`: the output is built in a temporary directory beside the
-  destination and renamed into place only when complete, so a failed or
-  interrupted run never leaves a half-written checkpoint under DST.
+- `atomic_output_dir` (from minispec.checkpoint, which save_pretrained uses too):
+  the output is built in a temporary directory beside the destination and
+  renamed into place only when complete, so a failed or interrupted run never
+  leaves a half-written checkpoint under DST.
 - `write_safetensors`: writes a .safetensors file one tensor at a time.
   safetensors' own `save_file` needs every tensor in memory at once; streaming
   keeps the peak at one source tensor (plus its dtype-converted copy), so a
@@ -16,18 +17,18 @@ padded with spaces to a multiple of 8, then the raw little-endian tensor bytes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
+
+from minispec.checkpoint import atomic_output_dir  # noqa: F401  (re-exported for the tools)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,33 +37,6 @@ ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", 
             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
             torch.bool: "BOOL"}
 TORCH_DTYPE = {v: k for k, v in ST_DTYPE.items()}
-
-
-@contextlib.contextmanager
-def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside `dst`; on success it becomes `dst`.
-
-    On any exception the temporary directory is removed and `dst` is untouched
-    (an existing `dst` is replaced only after the new one is complete).
-    """
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists; choose another output directory or pass --overwrite")
-    parent = dst.parent if str(dst.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
-    try:
-        yield tmp
-        old = None
-        if dst.exists():
-            old = parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-        os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @dataclass

@@ -1,0 +1,185 @@
+"""Command line: python -m minispec COMMAND ...
+
+    python -m minispec generate --target weights/smollm2-135m-instruct --prompt "Once upon a time"
+    python -m minispec generate --target weights/smollm2-135m-instruct --draft weights/smollm2-135m-draft \
+        --chat --prompt "What is speculative decoding?" --temperature 0.7 --seed 0
+
+Each subcommand is an entry in COMMANDS: a function adding its arguments to an argparse
+parser and a function running it, returning the exit status. Adding one is a few lines.
+Bad arguments exit with status 2 (argparse's convention); failures while running (a
+checkpoint that does not load, ...) print `error: ...` and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LOOKUP = "prompt-lookup"
+
+
+class CLIError(RuntimeError):
+    """A failure while running a command: printed as `error: ...`, exit status 1."""
+
+
+# ---- argument types: a bad value is an argparse error (exit status 2) naming the option
+
+def _int_at_least(lo: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is less than {lo}")
+        return v
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+        return v
+    return parse
+
+
+def _checkpoint_dir(s: str) -> str:
+    p = Path(s)
+    if not (p / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{s} is not a minispec checkpoint directory (no config.json there); "
+                                         "make one with tools/convert_gguf.py or `make weights`")
+    return s
+
+
+def _k(s: str) -> int | str:
+    return "auto" if s == "auto" else _int_at_least(1)(s)
+
+
+def _draft(s: str) -> str:
+    return s if s == PROMPT_LOOKUP else _checkpoint_dir(s)
+
+
+def _device(s: str | None) -> str:
+    if s is not None:
+        return s
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# ---- generate
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint")
+    p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
+                   help="speculative decoding with this draft checkpoint, or with prompt lookup (n-gram drafts)")
+    p.add_argument("--k", type=_k, default=4,
+                   help="draft tokens proposed per round (default 4), or 'auto' to adapt it to the acceptance rate")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64, help="default 64")
+    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_int_at_least(1), default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens (default 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Stream the continuation to stdout; the tokens/s (and speculation) summary goes to stderr."""
+    import torch
+
+    from .model import Transformer
+
+    device = _device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    target = Transformer.from_pretrained(args.target, device=device, dtype=dtype)
+    tok = target.tokenizer
+    if tok is None:
+        raise CLIError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); generate needs one")
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = tok.encode(text, bos=False)  # a chat template writes its own bos
+    else:
+        ids = tok.encode(args.prompt)
+    if not ids:
+        raise CLIError("the prompt encodes to no tokens and this tokenizer adds no bos; give a non-empty --prompt")
+
+    draft = None
+    if args.draft == PROMPT_LOOKUP:
+        draft = PROMPT_LOOKUP
+    elif args.draft is not None:
+        draft = Transformer.from_pretrained(args.draft, device=device, dtype=dtype)
+        if draft.tokenizer is not None and draft.tokenizer.fingerprint != tok.fingerprint:
+            raise CLIError(f"the draft {args.draft} and the target {args.target} have different tokenizers "
+                           "(fingerprints differ); speculative decoding needs one shared vocabulary")
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise CLIError(f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}")
+
+    stream = tok.decoder_stream(skip_special_tokens=True)
+
+    def on_tokens(i: int, tokens: list[int]) -> None:
+        sys.stdout.write(stream.push(tokens))
+        sys.stdout.flush()
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, on_tokens=on_tokens)
+    start = time.perf_counter()
+    if draft is None:
+        new, stats = target.generate(ids, **sampling), None
+    else:
+        res = target.speculate(draft, ids, k=args.k, stop_tokens=None, **sampling)
+        new, stats = res.tokens, res.stats
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    summary = (f"{len(new)} tokens in {elapsed:.2f} s: {len(new) / max(elapsed, 1e-9):.1f} tokens/s "
+               f"(prompt {len(ids)} tokens, prefill included)")
+    if stats is not None:
+        summary += (f"; speculation k={args.k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
+                    f"{stats.mean_accepted:.2f} tokens per round")
+    print(summary, file=sys.stderr)
+    return 0
+
+
+# ---- the command table and entry point
+
+# name -> (help, add_arguments(parser), run(args) -> exit status)
+COMMANDS = {
+    "generate": ("generate text from a prompt, optionally with a speculative draft", add_generate_args, run_generate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minispec",
+                                     description="minispec: a small Llama-family transformer with exact speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (CLIError, ValueError, OSError) as e:  # checkpoint, tokenizer and argument-value errors say what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 1

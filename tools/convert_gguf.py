@@ -1,0 +1,476 @@
+"""Convert a llama-architecture GGUF file into a minispec checkpoint directory.
+
+    python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--overwrite]
+
+What a GGUF holds and what becomes of it:
+- tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants) are dequantized
+  with `gguf.quants.dequantize` and stored in model.safetensors at --dtype;
+- llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE, which rotates
+  adjacent pairs, matches Hugging Face's rotate-half RoPE; we undo that permutation per head
+  (K with n_kv_heads heads: grouped-query attention);
+- `llama.*` metadata becomes config.json (a ModelConfig);
+- `tokenizer.ggml.*` metadata becomes tokenizer.json (gpt2-style byte-level BPE, built with the
+  `tokenizers` library) or tokenizer.model (a SentencePiece vocabulary, serialized as
+  sentencepiece's ModelProto by the small protobuf writer below, so protobuf is not needed),
+  plus tokenizer_config.json with the special tokens and the chat template.
+
+Everything that can be checked without reading the weights is checked first. The output is
+written to a temporary directory beside DST and renamed into place at the end (tools/_common.py),
+so a failed conversion (unsupported architecture or tensor type, truncated file, missing
+tensor) leaves no DST behind; an existing DST is refused, or with --overwrite replaced only
+once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:
+    import gguf
+except ImportError:  # pragma: no cover - depends on the environment
+    gguf = None
+
+try:  # run from a source checkout without installing minispec
+    import minispec  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import DTYPES, TensorEntry, atomic_output_dir, write_safetensors
+
+from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_shapes
+from minispec.config import ModelConfig
+from minispec.model import Transformer
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class ConversionError(ValueError):
+    """The GGUF file cannot be converted; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor names and layout
+
+_GGUF_LAYER_PARTS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_to_minispec_name(name: str) -> str:
+    """GGUF (llama.cpp) tensor name -> minispec name, e.g. blk.3.attn_q.weight -> layers.3.self_attn.q_proj.weight."""
+    if name in _GGUF_TOP:
+        return _GGUF_TOP[name]
+    m = _GGUF_LAYER.match(name)
+    if m and m.group(2) in _GGUF_LAYER_PARTS:
+        return f"layers.{m.group(1)}.{_GGUF_LAYER_PARTS[m.group(2)]}"
+    if name == "rope_freqs.weight":
+        raise ConversionError("the file carries rope_freqs.weight (Llama 3.1-style RoPE scaling factors), which this "
+                              "converter does not translate; convert the original Hugging Face checkpoint instead")
+    raise ConversionError(f"unexpected tensor {name!r}: it has no minispec counterpart in a llama-architecture model")
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a q/k projection weight (n_heads*head_dim, dim) or bias (n_heads*head_dim,).
+
+    Hugging Face's RoPE rotates the two halves of each head (x[i] with x[i + D/2]); GGML's
+    rotates adjacent pairs (x[2i] with x[2i+1]). llama.cpp's converter therefore interleaves
+    each head's rows, half-major -> pair-major: row (h, half, i) moved to (h, i, half).
+    The inverse reads the rows as (h, i, half) and puts them back as (h, half, i).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ConversionError(f"cannot un-permute a RoPE weight of shape {tuple(w.shape)} over {n_heads} heads")
+    head_dim = rows // n_heads
+    return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])  # (H, D/2, 2, ...): pair-major, as stored
+             .transpose(1, 2)                                   # (H, 2, D/2, ...): half-major, as HF expects
+             .reshape(w.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+
+def _field_value(field):
+    """A GGUF metadata field as a Python value (str, int, float, bool, or a list of those).
+
+    Uses only ReaderField.parts/.data/.types, which every gguf release has.
+    """
+    T = gguf.GGUFValueType
+    kind = field.types[0]
+
+    def scalar(part, t):
+        if t == T.STRING:
+            return bytes(part).decode("utf-8")
+        v = part[0].item()
+        return bool(v) if t == T.BOOL else v
+
+    if kind == T.ARRAY:
+        sub = field.types[-1] if len(field.types) > 1 else None
+        if sub == T.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        if sub is None or sub == T.ARRAY:
+            return [field.parts[i].tolist() for i in field.data]
+        values = np.concatenate([field.parts[i] for i in field.data]) if len(field.data) else np.array([])
+        return [bool(v) for v in values] if sub == T.BOOL else values.tolist()
+    return scalar(field.parts[field.data[0]], kind)
+
+
+def read_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = _field_value(field)
+        except UnicodeDecodeError as e:
+            raise ConversionError(f"metadata key {key!r} holds a string that is not valid UTF-8 ({e})") from None
+    return meta
+
+
+def _f32_decimal(x: float) -> float:
+    """A float32 metadata value as the short decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source: str) -> ModelConfig:
+    """ModelConfig from a GGUF's `{arch}.*` keys; `tensors` maps GGUF tensor names to numpy-order shapes."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConversionError(f"{source}: architecture {arch!r} is not supported (supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}); minispec implements the Llama family only")
+
+    def key(name, default=None, required=True):
+        k = f"{arch}.{name}"
+        if k in meta:
+            return meta[k]
+        if required and default is None:
+            raise ConversionError(f"{source}: metadata key {k!r} is missing; the file is not a complete {arch} GGUF")
+        return default
+
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ConversionError(f"{source}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+    if "token_embd.weight" not in tensors:
+        raise ConversionError(f"{source}: tensor 'token_embd.weight' is missing")
+    vocab_size, dim = tensors["token_embd.weight"]
+    n_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", dim // n_heads))
+    rope_dims = int(key("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ConversionError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dims} < "
+                              f"head_dim={head_dim}) are not supported")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    # a chat model may end a turn with an end-of-turn token distinct from eos: both stop generation
+    eos_id = eos if eot is None or eot == eos else ([eos, eot] if eos is not None else eot)
+    fields = dict(
+        vocab_size=int(vocab_size),
+        dim=int(key("embedding_length")),
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        ffn_dim=int(key("feed_forward_length")),
+        norm_eps=_f32_decimal(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32_decimal(key("rope.freq_base", 10000.0)),
+        max_seq_len=int(key("context_length", 2048)),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_id=eos_id,
+    )
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # ModelConfig.validate: inconsistent sizes or special ids
+        raise ConversionError(f"{source}: the metadata does not describe a valid model: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+# GGUF token types (llama.cpp's, which follow SentencePiece's piece types)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# tokenizer.ggml.pre -> the split regex its merges were learned with (None: GPT-2's, built into ByteLevel)
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "default": "gpt2", "gpt2": "gpt2",
+    "smollm": "digits+gpt2",  # SmolLM/SmolLM2: every digit alone, then GPT-2's split
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+    rule = PRE_TOKENIZERS.get(pre)
+    if rule is None:
+        raise ConversionError(f"tokenizer.ggml.pre={pre!r}: this pre-tokenizer is unknown to the converter (known: "
+                              f"{sorted(PRE_TOKENIZERS)}); add its split rule to PRE_TOKENIZERS in {__file__}")
+    if rule == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if rule == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(rule), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def build_bpe_tokenizer_json(meta: dict) -> str:
+    """tokenizer.json text for a gpt2-style (byte-level BPE) GGUF vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ConversionError("tokenizer.ggml.merges is missing: a gpt2-style tokenizer needs its merges")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    vocab = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise ConversionError(f"token {t!r} appears twice in tokenizer.ggml.tokens (ids {vocab[t]} and {i})")
+        vocab[t] = i
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise ConversionError(f"merge {m!r} in tokenizer.ggml.merges is not two tokens separated by a space")
+        pairs.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # control tokens (<|im_start|>, <|endoftext|>, ...) must be matched whole in text, never split into bytes
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ConversionError(f"the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file "
+                              f"lists {len(tokens)}")
+    return tok.to_str(pretty=True)
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int32 values are sent as 10-byte two's complement, as protobuf does
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb_int(field: int, v: int) -> bytes:
+    return _varint(field << 3) + _varint(int(v))
+
+
+def _pb_bytes(field: int, v: bytes | str) -> bytes:
+    v = v.encode("utf-8") if isinstance(v, str) else v
+    return _varint(field << 3 | 2) + _varint(len(v)) + v
+
+
+def _pb_float(field: int, v: float) -> bytes:
+    return _varint(field << 3 | 5) + struct.pack("<f", v)
+
+
+def build_sentencepiece_model(meta: dict) -> bytes:
+    """A serialized sentencepiece ModelProto (tokenizer.model) for a llama/SentencePiece GGUF vocabulary.
+
+    Field numbers are those of sentencepiece_model.proto: ModelProto{1: pieces, 2: trainer_spec,
+    3: normalizer_spec}; SentencePiece{1: piece, 2: score, 3: type}; TrainerSpec{3: model_type,
+    4: vocab_size, 35: byte_fallback, 40-43: unk/bos/eos/pad id}; NormalizerSpec{1: name,
+    3: add_dummy_prefix, 4: remove_extra_whitespaces, 5: escape_whitespaces}.
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if not len(tokens) == len(scores) == len(types):
+        raise ConversionError(f"tokenizer.ggml.tokens/scores/token_type have different lengths "
+                              f"({len(tokens)}, {len(scores)}, {len(types)})")
+    out = bytearray()
+    for piece, score, ty in zip(tokens, scores, types):
+        ty = ty if ty in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
+        out += _pb_bytes(1, _pb_bytes(1, piece) + _pb_float(2, float(score)) + _pb_int(3, ty))
+
+    def special(name, default):
+        v = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return default if v is None else int(v)
+    unk = special("unknown", types.index(UNKNOWN) if UNKNOWN in types else 0)
+    trainer = (_pb_int(3, 2)  # model_type BPE: llama's scores are merge ranks, encoded greedily by score
+               + _pb_int(4, len(tokens))
+               + _pb_int(35, int(BYTE in types))  # byte_fallback when the vocabulary has <0xNN> pieces
+               + _pb_int(40, unk) + _pb_int(41, special("bos", -1)) + _pb_int(42, special("eos", -1))
+               + _pb_int(43, special("padding", -1)))
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    normalizer = (_pb_bytes(1, "identity") + _pb_int(3, int(bool(add_prefix)))
+                  + _pb_int(4, 0) + _pb_int(5, 1))
+    out += _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+    return bytes(out)
+
+
+def tokenizer_files(meta: dict) -> dict[str, bytes]:
+    """The tokenizer files for a checkpoint dir, from tokenizer.ggml.* metadata ({} when the file has none)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None or "tokenizer.ggml.tokens" not in meta:
+        return {}
+    tokens = meta["tokenizer.ggml.tokens"]
+    if model == "gpt2":
+        files = {"tokenizer.json": build_bpe_tokenizer_json(meta).encode("utf-8")}
+        add_bos_default, cls = False, "PreTrainedTokenizerFast"
+    elif model == "llama":
+        files = {"tokenizer.model": build_sentencepiece_model(meta)}
+        add_bos_default, cls = True, "LlamaTokenizer"  # llama.cpp adds BOS to a SentencePiece vocab unless told not to
+    else:
+        raise ConversionError(f"tokenizer.ggml.model={model!r} is not supported (supported: 'gpt2', 'llama'); "
+                              "convert the original Hugging Face checkpoint, which carries its tokenizer files")
+
+    def name(key):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    config = {
+        "tokenizer_class": cls,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": name("bos"), "eos_token": name("eos"), "unk_token": name("unknown"), "pad_token": name("padding"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+    }
+    if meta.get("tokenizer.ggml.eot_token_id") is not None:
+        config["eot_token"] = name("eot")
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    if model == "llama":
+        config["legacy"] = False
+        config["add_prefix_space"] = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# the conversion
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def open_gguf(path: Path):
+    if gguf is None:
+        raise ConversionError("the 'gguf' package is not installed: pip install 'minispec[convert]' (or pip install gguf)")
+    if not path.is_file():
+        raise ConversionError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader fails in many ways on a damaged file: say which file and what to do
+        raise ConversionError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file may be truncated or "
+                              "corrupt: download or copy it again") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ConversionError(f"{path} is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}, "
+                                  f"the file has {size} bytes; download or copy it again")
+    return reader
+
+
+def check_tensor_type(t) -> None:
+    if t.tensor_type.name not in SUPPORTED_TYPES:
+        raise ConversionError(f"tensor {t.name!r} has type {t.tensor_type.name}, which this converter does not dequantize "
+                              f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantize the model to one of those")
+
+
+def load_tensor(t, name: str, cfg: ModelConfig) -> torch.Tensor:
+    """One GGUF tensor -> float32 torch tensor in minispec's layout (numpy order: out x in)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a writable copy, off the memmap
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = unpermute_rope_rows(w, cfg.n_heads)
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        w = unpermute_rope_rows(w, cfg.n_kv_heads)  # K has only the kv heads (GQA)
+    return w
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", overwrite: bool = False,
+            progress: bool = True) -> ModelConfig:
+    """Convert the GGUF file `src` into the minispec checkpoint directory `dst`; return its config.
+
+    Everything that can be checked without dequantizing (architecture, metadata, tokenizer,
+    tensor names, shapes and types) is checked first; then the tensors are dequantized and
+    written one at a time, so the peak memory is one tensor, not the model.
+    """
+    src, dst = Path(src), Path(dst)
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dst.exists() and not overwrite:  # before the work, not after it
+        raise ConversionError(f"{dst} already exists; choose another output directory or pass --overwrite")
+    reader = open_gguf(src)
+    meta = read_metadata(reader)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    cfg = config_from_metadata(meta, shapes, str(src))
+    tok_files = tokenizer_files(meta)
+    entries = []
+    for t in reader.tensors:
+        check_tensor_type(t)
+        name = gguf_to_minispec_name(t.name)
+        entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype], lambda t=t, name=name: load_tensor(t, name, cfg)))
+    with torch.device("meta"):
+        expected = expected_shapes(Transformer(cfg))
+    try:
+        check_state_dict({e.name: e.shape for e in entries}, expected, str(src))
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    entries.sort(key=lambda e: e.name)
+    with atomic_output_dir(dst, overwrite=overwrite) as tmp:
+        write_safetensors(tmp / WEIGHTS_NAME, entries, metadata={"format": "pt", "producer": "minispec convert_gguf"},
+                          show_progress=progress, desc=f"converting {src.name}")
+        cfg.save(str(tmp / CONFIG_NAME))
+        for name, data in tok_files.items():
+            (tmp / name).write_bytes(data)
+    return cfg
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Convert a llama-architecture GGUF file into a minispec checkpoint dir.")
+    p.add_argument("src", metavar="FILE.gguf", help="the GGUF file")
+    p.add_argument("dst", metavar="DST_DIR", help="the checkpoint directory to create")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the stored weights (default float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+    except (ConversionError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
+          f"vocab {cfg.vocab_size}, {args.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
