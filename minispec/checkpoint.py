@@ -145,6 +145,8 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
     os.chmod(tmp, 0o755)  # mkdtemp makes the directory private; a checkpoint is meant to be shared
     try:
         yield tmp
+        for f in tmp.iterdir():  # some writers (safetensors) create files private to their owner
+            os.chmod(f, 0o644)
         old = None
         if dst.exists():
             old = parent / f".{dst.name}.old-{os.getpid()}"

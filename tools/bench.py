@@ -2,6 +2,11 @@
 
     python tools/bench.py core     # minispec greedy generate vs transformers' LlamaForCausalLM.generate,
                                    # random weights of SmolLM2-135M's shape, fp32, 2 threads
+    python tools/bench.py spec     # SmolLM2-135M-Instruct and its draft: minispec target-only, speculate
+                                   # (greedy and T=0.7, k = 1..8 and auto, prompt lookup), transformers generate
+                                   # and assisted generation with the same draft, batch sizes 1/4/16;
+                                   # a markdown table, a PNG plot, predicted vs measured tokens per round,
+                                   # peak memory of target + draft beside target alone
 
 The memory-bandwidth floor is the fp32 weight bytes read per decode step over the
 measured read bandwidth of this machine (a reduction over a 512 MiB tensor).
@@ -14,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -92,14 +98,245 @@ def bench_core(new_tokens: int = 128, repeats: int = 3, threads: int = 2) -> dic
     return res
 
 
+# ---------------------------------------------------------------------------
+# speculative decoding on the real checkpoint
+# ---------------------------------------------------------------------------
+
+BENCH_PROMPTS = [  # chat prompts never used to train the draft (tools/distill_prompts.py makes those)
+    "Explain in a few sentences why the sky looks blue during the day.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three practical tips for learning a new programming language?",
+    "Describe how a bicycle gear system works to a ten-year-old.",
+]
+
+
+def chat_ids(model, text: str) -> list[int]:
+    tok = model.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def process_memory_mb(code: str) -> tuple[float, float]:
+    """(peak, final) resident memory in MB of a fresh Python process running `code` (Linux /proc)."""
+    import subprocess
+    script = code + ("\nst = dict(l.split(':', 1) for l in open('/proc/self/status'))"
+                     "\nprint(int(st['VmHWM'].split()[0]), int(st['VmRSS'].split()[0]))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    peak, final = out.stdout.strip().splitlines()[-1].split()
+    return int(peak) / 1024, int(final) / 1024
+
+
+def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
+               ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
+               quick: bool = False) -> dict:
+    from minispec.speculative import expected_tokens
+    torch.set_num_threads(threads)
+    target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
+    prompts = [chat_ids(target, p) for p in BENCH_PROMPTS]
+    rows = []
+
+    def measure(name: str, fn, batch: int = 1, k=None, temperature: float = 0.0):
+        """fn() -> (new token count, stats or None); median tokens/s over `repeats` runs."""
+        fn()  # warm-up
+        rates, stats = [], None
+        for _ in range(repeats):
+            t = time.perf_counter()
+            n, stats = fn()
+            rates.append(n / (time.perf_counter() - t))
+        row = {"engine": name, "batch": batch, "k": k, "temperature": temperature,
+               "tok_s": statistics.median(rates), "runs": rates}
+        if stats is not None:
+            a = stats.acceptance_rate
+            row.update(acceptance=a, measured_per_round=stats.mean_accepted,
+                       predicted_per_round=(expected_tokens(a, k) if isinstance(k, int) else None),
+                       mean_k=(statistics.mean(stats.k_chosen) if stats.k_chosen else None))
+        rows.append(row)
+        print(f"  {name:<34} batch {batch:>2}  k={str(k):<5} T={temperature:<4} {row['tok_s']:7.1f} tok/s"
+              + (f"  acc {row['acceptance']:.2f}  {row['measured_per_round']:.2f}/round" if stats else ""),
+              file=sys.stderr, flush=True)
+        return row
+
+    def over_prompts(run_one):
+        def fn():
+            total, last = 0, None
+            for i, ids in enumerate(prompts):
+                n, last = run_one(ids, i)
+                total += n
+            return total, last
+        return fn
+
+    def gen(temperature):
+        return over_prompts(lambda ids, i: (len(target.generate(ids, max_new_tokens=new_tokens, temperature=temperature,
+                                                                 seed=i, stop_tokens=[])), None))
+
+    def spec(drafter, k, temperature):
+        def one(ids, i):
+            res = target.speculate(drafter, ids, k=k, max_new_tokens=new_tokens, temperature=temperature, seed=i,
+                                   stop_tokens=[])
+            return len(res.tokens), res.stats
+        return over_prompts(one)
+
+    print("minispec, batch 1:", file=sys.stderr)
+    base = measure("minispec target-only", gen(0.0))
+    base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
+    for k in (*ks, "auto"):
+        measure("minispec speculate", spec(draft, k, 0.0), k=k)
+    for k in ((2, 4, "auto") if quick else (*ks, "auto")):
+        measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
+    for k in (4, "auto"):
+        measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
+
+    # draft step cost relative to the target step: one decode step each, median of many
+    def step_time(model):
+        cache = model.new_cache(num_blocks=64, block_size=16)
+        s = cache.new_sequence()
+        model.step(cache, [s], [prompts[0]])
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            model.step(cache, [s], [[prompts[0][-1]]])
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    t_target, t_draft = step_time(target), step_time(draft)
+
+    if with_hf:
+        from transformers import AutoModelForCausalLM
+        hf_target = AutoModelForCausalLM.from_pretrained(_exported(target_dir), dtype=torch.float32).eval()
+        hf_draft = AutoModelForCausalLM.from_pretrained(_exported(draft_dir), dtype=torch.float32).eval()
+
+        def hf_gen(assistant, temperature):
+            def one(ids, i):
+                torch.manual_seed(i)
+                kw = dict(do_sample=temperature > 0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+                if temperature > 0:
+                    kw.update(temperature=temperature, top_k=None, top_p=None)
+                if assistant is not None:
+                    kw["assistant_model"] = assistant
+                with torch.inference_mode():
+                    out = hf_target.generate(torch.tensor([ids]), **kw)
+                return out.shape[1] - len(ids), None
+            return over_prompts(one)
+        print("transformers, batch 1:", file=sys.stderr)
+        measure("transformers generate", hf_gen(None, 0.0))
+        measure("transformers assisted generation", hf_gen(hf_draft, 0.0), k="hf")
+        measure("transformers assisted generation", hf_gen(hf_draft, 0.7), k="hf", temperature=0.7)
+
+    for bsz in batch_sizes:
+        if bsz == 1:
+            continue
+        print(f"minispec, batch {bsz}:", file=sys.stderr)
+        batch = [prompts[i % len(prompts)] for i in range(bsz)]
+
+        def gen_b(batch=batch):
+            out = target.generate(batch, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+            return sum(map(len, out)), None
+
+        def spec_b(batch=batch):
+            res = target.speculate(draft, batch, k=4, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+            return sum(map(len, res.tokens)), res.stats
+        measure("minispec target-only", gen_b, batch=bsz)
+        measure("minispec speculate", spec_b, batch=bsz, k=4)
+
+    load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
+            f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
+    mem_target = process_memory_mb(load + f"t.generate(ids, max_new_tokens={new_tokens}, stop_tokens=[])")
+    mem_both = process_memory_mb(load + f"d = Transformer.from_pretrained({draft_dir!r}, dtype=torch.float32)\n"
+                                 f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
+    res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
+           "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
+           "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
+           "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
+           "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
+    if plot:
+        plot_spec(res, plot)
+    return res
+
+
+def _exported(src: str) -> str:
+    """A transformers copy of a minispec checkpoint (tools/export_hf.py) in a temporary directory."""
+    import tempfile
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from export_hf import export
+    dst = Path(tempfile.mkdtemp(prefix="minispec-bench-")) / Path(src).name
+    export(src, dst, progress=False)
+    return str(dst)
+
+
+def spec_table(res: dict) -> str:
+    base = {(r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"] if r["engine"] == "minispec target-only"}
+    lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | acceptance | tokens/round measured | predicted |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        ref = base.get((r["batch"], r["temperature"]))
+        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        k = r["k"] if r["k"] != "auto" or r.get("mean_k") is None else f"auto ({r['mean_k']:.1f})"
+        lines.append(f"| {r['engine']} | {r['batch']} | {'' if k is None else k} | {r['temperature']} | {r['tok_s']:.1f} | "
+                     f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(r.get('acceptance'), '.2f')} | "
+                     f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt(r.get('predicted_per_round'), '.2f')} |")
+    lines.append("")
+    lines.append(f"Draft step {res['draft_step_ms']:.1f} ms vs target step {res['target_step_ms']:.1f} ms "
+                 f"(ratio {res['draft_cost_ratio']:.3f}). Resident memory (peak / after the run): target alone "
+                 f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
+                 f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
+                 f"{res['new_tokens']} new tokens x "
+                 f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, fp32.")
+    return "\n".join(lines)
+
+
+def plot_spec(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: pip install matplotlib to get the plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for temp, style in ((0.0, "o-"), (0.7, "s--")):
+        pts = [(r["k"], r["tok_s"]) for r in res["rows"] if r["engine"] == "minispec speculate" and r["batch"] == 1
+               and r["temperature"] == temp and isinstance(r["k"], int)]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"minispec speculate, T={temp}")
+        auto = [r["tok_s"] for r in res["rows"] if r["engine"] == "minispec speculate" and r["batch"] == 1
+                and r["temperature"] == temp and r["k"] == "auto"]
+        if auto:
+            ax.axhline(auto[0], color="C2" if temp == 0 else "C3", lw=0.8, ls=":", label=f"speculate k=auto, T={temp}")
+    colors = iter(["k", "gray", "C4", "C5", "C6"])
+    for r in res["rows"]:
+        if r["batch"] == 1 and r["engine"] in ("minispec target-only", "transformers generate",
+                                               "transformers assisted generation") and r["temperature"] == 0.0:
+            ax.axhline(r["tok_s"], color=next(colors), lw=1, label=r["engine"])
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("tokens/s (median)")
+    ax.set_title("SmolLM2-135M-Instruct, fp32, 2 CPU threads, batch 1")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["core"], nargs="?", default="core")
+    ap.add_argument("which", choices=["core", "spec"], nargs="?", default="spec")
+    ap.add_argument("--target", default="weights/smollm2-135m-instruct")
+    ap.add_argument("--draft", default="weights/smollm2-135m-draft")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers in the spec benchmark")
+    ap.add_argument("--quick", action="store_true", help="fewer k values at T=0.7")
+    ap.add_argument("--plot", default=None, help="write the spec benchmark's plot to this PNG")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="fixed k values for the spec benchmark")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
+    if args.which == "spec":
+        res = bench_spec(args.target, args.draft, args.new_tokens, args.repeats, args.threads,
+                         ks=tuple(int(k) for k in args.ks.split(",")),
+                         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), with_hf=not args.no_hf,
+                         plot=args.plot, quick=args.quick)
+        print(json.dumps(res, indent=2) if args.json else spec_table(res))
+        return 0
     res = bench_core(args.new_tokens, args.repeats, args.threads)
     if args.json:
         print(json.dumps(res, indent=2))
