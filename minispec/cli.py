@@ -156,9 +156,40 @@ def run_generate(args: argparse.Namespace) -> int:
 
 # ---- the command table and entry point
 
+def add_equivalence_args(p: argparse.ArgumentParser) -> None:
+    from .equivalence import add_arguments
+    add_arguments(p)
+
+
+def run_equivalence(args) -> int:
+    from .equivalence import run_cli
+    return run_cli(args)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for tools/bench.py (see its --help)")
+
+
+def run_bench(args) -> int:
+    """tools/bench.py lives beside the package in a source checkout; it is not part of the installed library."""
+    import runpy
+    script = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    if not script.is_file():
+        raise CLIError(f"{script} not found: the benchmark runs from a source checkout of minispec")
+    sys.argv = [str(script), *args.bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
 # name -> (help, add_arguments(parser), run(args) -> exit status)
 COMMANDS = {
     "generate": ("generate text from a prompt, optionally with a speculative draft", add_generate_args, run_generate),
+    "equivalence": ("test that a draft/target pair's speculative samples follow the target's distribution",
+                    add_equivalence_args, run_equivalence),
+    "bench": ("speed benchmarks side by side with transformers (tools/bench.py)", add_bench_args, run_bench),
 }
 
 

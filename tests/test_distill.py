@@ -1,0 +1,194 @@
+"""tools/distill_draft.py on a tiny random target: generation resumes without duplicates and matches
+`generate`, training resumes bit-for-bit from its checkpoint, the exported draft loads and shares the
+target's tokenizer, and the greedy round replay counts rounds as speculation does."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import distill_draft as dd  # noqa: E402
+from minispec import ModelConfig, Transformer  # noqa: E402
+from minispec.tokenizer import load_tokenizer  # noqa: E402
+
+WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", "You", "are", "a", "helpful",
+         "the", "sky", "is", "blue", "why", "tell", "me", "about", "cats", "dogs", "rain", "sun", "and", "."]
+TEMPLATE = ("{% for m in messages %}{% if loop.first %}{{ '<|im_start|>system\\nYou are a helpful<|im_end|>\\n' }}"
+            "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+VOCAB = 32
+
+
+def write_tokenizer(d: Path) -> None:
+    """A word-level tokenizer.json over WORDS (ids 0..24; the model's vocab is 32) and a chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "\n")])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, bos_id=1, eos_id=2,
+                      tie_embeddings=False)
+    m = Transformer(cfg)
+    with torch.no_grad():  # large random weights: a context-dependent argmax and a spread-out distribution
+        m.lm_head.weight.normal_(0.0, 0.5)
+        for name, w in m.named_parameters():
+            if name.endswith("proj.weight"):
+                w.normal_(0.0, 0.3)
+    write_tokenizer(d)
+    m.tokenizer = load_tokenizer(d)
+    m.save_pretrained(d / "ckpt")
+    return d / "ckpt"
+
+
+PROMPTS = [{"id": i, "split": "heldout" if i == 5 else "train", "kind": "topic",
+            "messages": [{"role": "user", "content": text}]}
+           for i, text in enumerate(["why is the sky blue", "tell me about cats", "tell me about dogs", "rain and sun",
+                                     "why is the sun", "tell me about the sky", "cats and dogs", "why rain",
+                                     "about the blue sky", "why cats"])]
+
+
+def keys_of(data: Path) -> list[tuple[int, float]]:
+    keys = []
+    for p in dd.shard_paths(data):
+        s = dd.Shard.load(p)
+        keys += list(zip(s.prompt_id.tolist(), np.round(s.temperature.astype(np.float64), 3).tolist()))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def generated(target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    data, labels = root / "data", root / "labels"
+    target = Transformer.from_pretrained(target_dir)
+    kw = dict(batch=3, max_new_tokens=12, sample_every=2, temperature=0.7, flush_every=2, refill=1, progress=False)
+    n1 = dd.generate_stage(target, PROMPTS, data, labels, max_items=5, **kw)
+    n2 = dd.generate_stage(target, PROMPTS, data, labels, **kw)
+    n3 = dd.generate_stage(target, PROMPTS, data, labels, **kw)
+    return root, target, (n1, n2, n3)
+
+
+def test_generate_resumes_without_duplicates(generated):
+    root, _, (n1, n2, n3) = generated
+    expected = dd.work_items(PROMPTS, 2, 0.7)
+    assert (n1, n2, n3) == (5, len(expected) - 5, 0)
+    keys = keys_of(root / "data")
+    assert len(keys) == len(set(keys)) == len(expected)
+    assert set(keys) == {(p, round(t, 3)) for p, t, _ in expected}
+    assert 5 not in {k[0] for k in keys}  # the held-out prompt is never generated from
+
+
+def test_generated_text_matches_generate_and_labels_match_shards(generated):
+    root, target, _ = generated
+    for path in dd.shard_paths(root / "data"):
+        shard = dd.Shard.load(path)
+        with np.load(dd.labels_path(root / "labels", path)) as z:
+            ids, logp = z["ids"], z["logp"]
+        assert ids.shape == (len(shard.resp_tokens), dd.TOPK) and logp.shape == ids.shape
+        off = 0
+        for i, (prompt, resp) in enumerate(shard.sequences()):
+            temp, seed = float(shard.temperature[i]), int(shard.seed[i])
+            ref = target.generate(prompt.tolist(), max_new_tokens=12, temperature=temp, seed=seed)
+            assert resp.tolist() == ref  # continuous batching and prefix forking change nothing
+            if temp == 0:  # the soft label's top-1 is the greedy token itself
+                assert ids[off:off + len(resp), 0].tolist() == resp.tolist()
+            off += len(resp)
+        # the cached labels are what a fresh forward pass computes
+        re_ids, re_logp = dd.compute_labels(target, shard)
+        assert (re_ids[:, :4] == ids[:, :4]).all()
+        np.testing.assert_allclose(re_logp, logp.astype(np.float32), atol=2e-2)
+
+
+def small_cfg() -> dd.TrainConfig:
+    return dd.TrainConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_vocab=20, lr=1e-2, embed_lr=1e-2,
+                          warmup=2, max_tokens=64, seed=0)
+
+
+def test_train_resumes_exactly_and_exports_a_loadable_draft(generated, target_dir, tmp_path):
+    root, _, _ = generated
+    torch.set_num_threads(1)
+    args = dict(data_dir=root / "data", labels_dir=root / "labels", target_path=str(target_dir), progress=False,
+                eval_every=100)
+    straight = tmp_path / "straight"
+    dd.train_stage(straight, cfg=small_cfg(), max_steps=8, **args)
+    resumed = tmp_path / "resumed"
+    dd.train_stage(resumed, cfg=small_cfg(), max_steps=3, **args)
+    first = torch.load(resumed / "ckpt.pt", weights_only=False)
+    assert first["step"] == 3
+    dd.train_stage(resumed, cfg=None, max_steps=8, export_to=tmp_path / "draft", **args)
+    a = torch.load(straight / "ckpt.pt", weights_only=False)
+    b = torch.load(resumed / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 8
+    for name in a["model"]:
+        torch.testing.assert_close(a["model"][name], b["model"][name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(first["model"]["layers.0.mlp.up_proj.weight"], b["model"]["layers.0.mlp.up_proj.weight"])
+
+    draft = Transformer.from_pretrained(tmp_path / "draft")
+    target = Transformer.from_pretrained(target_dir)
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert draft.tokenizer.fingerprint == target.tokenizer.fingerprint
+    assert draft.dtype == torch.bfloat16 and draft.config.head_vocab_size == 20
+    assert set(target.config.stop_ids) <= set(draft.head_ids.tolist())  # eos can always be proposed
+    logits = draft(torch.tensor([[1, 3, 6]]))
+    assert torch.isinf(logits[0, -1]).sum() == VOCAB - 20  # tokens outside the head get probability 0
+    assert (Path(tmp_path / "draft") / "distill.json").is_file()
+
+
+def test_simulate_greedy_rounds():
+    # k=2: rounds start at 0 (accept 2, commit 3), 3 (accept 0, commit 1), 4 (accept 1, commit 2), 6 (commit 1:
+    # the last token of the budget comes from the target, so nothing is drafted)
+    agree = [True, True, True, False, True, False, True]
+    assert dd.simulate_greedy_rounds(agree, k=2) == (4, 2 + 2 + 2 + 0, 2 + 0 + 1 + 0)
+    assert dd.simulate_greedy_rounds([True] * 10, k=4) == (2, 8, 8)
+    assert dd.simulate_greedy_rounds([False] * 3, k=4) == (3, 2 + 1 + 0, 0)
+    # a sequence that stopped (eos) before its budget: rounds still draft a full k
+    assert dd.simulate_greedy_rounds([False] * 3, k=4, budget=10) == (3, 12, 0)
+
+
+def test_shared_prefix_and_epoch_order_cover_every_example(generated):
+    assert dd.shared_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == [1, 2]
+    assert dd.shared_prefix([[5], [6]]) == []
+    root, _, _ = generated
+    ex = dd.load_examples(root / "data", root / "labels", target_path=None)
+    order = dd.epoch_order(ex, epoch=0, max_tokens=64, seed=0)
+    flat = [k for b in order for k in b]
+    assert sorted(flat) == sorted(e.key for e in ex)
+    assert order == dd.epoch_order(ex, epoch=0, max_tokens=64, seed=0) != dd.epoch_order(ex, 1, 64, 0)
+
+
+def test_measure_replay_agrees_with_speculate(target_dir, tmp_path):
+    """The teacher-forced replay of greedy rounds and the library's speculate see the same rounds."""
+    torch.manual_seed(1)
+    target = Transformer.from_pretrained(target_dir)
+    cfg = dd.make_draft_config(target.config, 32, 2, 4, 2, None, VOCAB)
+    draft = Transformer(cfg)  # the target itself with a noisy lm_head: agrees often, not always
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+    state["head_ids"] = torch.arange(VOCAB)
+    state["lm_head.weight"] += 0.3 * torch.randn_like(state["lm_head.weight"])
+    draft.load_state_dict(state)
+    dd.export_draft(draft, target.tokenizer, tmp_path / "draft")
+    prompts = [dict(p, split="heldout") for p in PROMPTS]
+    res = dd.measure_stage(str(target_dir), str(tmp_path / "draft"), prompts, n_prompts=6, k=3, max_new_tokens=10,
+                           cost_repeats=4)
+    rep, spec = res["replay"], res["speculate"]
+    assert "error" not in spec, spec
+    assert spec["matches_greedy"]
+    assert 0.2 < rep["acceptance_rate"] < 0.95 and rep["tokens_per_round"] > 1  # both kinds of round happen
+    # same greedy text, same proposals: the same number of rounds and of accepted tokens
+    assert spec["sequence_rounds"] == rep["rounds"]
+    assert spec["accepted"] == rep["accepted"]
+    assert res["step_ms"]["target_fp32"] > 0 and res["cost_ratio_fp32"] > 0
