@@ -426,6 +426,8 @@ def test_smollm2_distilled_draft_is_exact(smol):
     if not (SMOL_DRAFT / "config.json").is_file():
         pytest.skip(f"{SMOL_DRAFT} is absent: train it with tools/distill_draft.py")
     draft = Transformer.from_pretrained(SMOL_DRAFT)
+    # alpha 1e-3: these weights are retrained outside this file, and each new draft is a fresh 1-in-alpha chance
+    # of a false alarm for an exact sampler
     r = run_equivalence(smol, draft, smol.tokenizer.encode("Once upon a time"), samples=SMOL_N, tokens=SMOL_T,
-                        reference=False)
+                        alpha=1e-3, reference=False)
     assert r.passed and r.speculation["drafted"] > 0, r.format()
