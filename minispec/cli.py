@@ -119,7 +119,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.draft == PROMPT_LOOKUP:
         draft = PROMPT_LOOKUP
     elif args.draft is not None:
-        draft = Transformer.from_pretrained(args.draft, device=device, dtype=dtype)
+        draft = Transformer.from_pretrained(args.draft, device=device, dtype=dtype or target.dtype)  # compute in the target's dtype: bf16 is slow on CPUs
         if draft.tokenizer is not None and draft.tokenizer.fingerprint != tok.fingerprint:
             raise CLIError(f"the draft {args.draft} and the target {args.target} have different tokenizers "
                            "(fingerprints differ); speculative decoding needs one shared vocabulary")

@@ -62,11 +62,12 @@ PROMPTS = [{"id": i, "split": "heldout" if i == 5 else "train", "kind": "topic",
                                      "about the blue sky", "why cats"])]
 
 
-def keys_of(data: Path) -> list[tuple[int, float]]:
+def keys_of(data: Path) -> list[tuple[int, float, int]]:
     keys = []
     for p in dd.shard_paths(data):
         s = dd.Shard.load(p)
-        keys += list(zip(s.prompt_id.tolist(), np.round(s.temperature.astype(np.float64), 3).tolist()))
+        temps = np.round(s.temperature.astype(np.float64), 3).tolist()
+        keys += [dd.item_key(i, t, d) for i, t, d in zip(s.prompt_id.tolist(), temps, s.seed.tolist())]
     return keys
 
 
@@ -79,16 +80,19 @@ def generated(target_dir, tmp_path_factory):
     n1 = dd.generate_stage(target, PROMPTS, data, labels, max_items=5, **kw)
     n2 = dd.generate_stage(target, PROMPTS, data, labels, **kw)
     n3 = dd.generate_stage(target, PROMPTS, data, labels, **kw)
-    return root, target, (n1, n2, n3)
+    n4 = dd.generate_stage(target, PROMPTS, data, labels, samples=2, **kw)  # more samples later: only the new ones
+    return root, target, (n1, n2, n3, n4)
 
 
 def test_generate_resumes_without_duplicates(generated):
-    root, _, (n1, n2, n3) = generated
-    expected = dd.work_items(PROMPTS, 2, 0.7)
-    assert (n1, n2, n3) == (5, len(expected) - 5, 0)
+    root, _, (n1, n2, n3, n4) = generated
+    one = dd.work_items(PROMPTS, 2, 0.7)
+    expected = dd.work_items(PROMPTS, 2, 0.7, samples=2)
+    assert set(one) < set(expected)
+    assert (n1, n2, n3, n4) == (5, len(one) - 5, 0, len(expected) - len(one))
     keys = keys_of(root / "data")
     assert len(keys) == len(set(keys)) == len(expected)
-    assert set(keys) == {(p, round(t, 3)) for p, t, _ in expected}
+    assert set(keys) == {dd.item_key(*it) for it in expected}
     assert 5 not in {k[0] for k in keys}  # the held-out prompt is never generated from
 
 
@@ -192,3 +196,20 @@ def test_measure_replay_agrees_with_speculate(target_dir, tmp_path):
     assert spec["sequence_rounds"] == rep["rounds"]
     assert spec["accepted"] == rep["accepted"]
     assert res["step_ms"]["target_fp32"] > 0 and res["cost_ratio_fp32"] > 0
+
+
+def test_resume_overrides_only_optimisation_fields_and_growth_wait_returns(generated, target_dir, tmp_path):
+    root, _, _ = generated
+    args = dict(data_dir=root / "data", labels_dir=root / "labels", target_path=str(target_dir), progress=False,
+                eval_every=100)
+    run = tmp_path / "run"
+    dd.train_stage(run, cfg=small_cfg(), max_steps=2, **args)
+    dd.train_stage(run, max_steps=3, overrides={"lr": 1e-4, "max_tokens": 32}, **args)
+    state = torch.load(run / "ckpt.pt", weights_only=False)
+    assert state["train_config"]["lr"] == 1e-4 and state["train_config"]["max_tokens"] == 32
+    with pytest.raises(ValueError, match="fixed by the checkpoint"):
+        dd.train_stage(run, max_steps=4, overrides={"dim": 32}, **args)
+    ex = dd.load_examples(root / "data", root / "labels", target_path=None)
+    # nothing new is being generated: the wait ends at the deadline with the same data
+    same, waited = dd.wait_for_growth(ex, 0.5, root / "data", root / "labels", None, deadline=0.0, poll=0.01)
+    assert dd.n_tokens(same) == dd.n_tokens(ex) and waited < 5

@@ -1,11 +1,13 @@
 """Distil a small draft model for speculative decoding from a target's own generations.
 
-    python tools/distill_draft.py generate [--minutes M] [--batch 64] [--max-new-tokens 256]
-    python tools/distill_draft.py train    [--minutes M] [--run runs/distill/main]
+    python tools/distill_draft.py generate [--minutes M] [--batch 64] [--max-new-tokens 256] [--device cuda]
+    python tools/distill_draft.py train    [--minutes M] [--run runs/distill/main] [--min-growth 0.1] [--device cuda]
     python tools/distill_draft.py export   [--run runs/distill/main] [--out weights/smollm2-135m-draft]
-    python tools/distill_draft.py measure  [--draft weights/smollm2-135m-draft] [--prompts 32]
+    python tools/distill_draft.py measure  [--draft weights/smollm2-135m-draft] [--n-prompts 32] [--no-speculate]
 
 Every stage is resumable: kill it at any moment and run the same command again.
+On a shared CPU run generate and train side by side under `nice -n 19`, train
+with `--threads 1 --min-growth 0.1` so the generator keeps most of the CPU.
 
 1. generate: the target answers the prompts of data/distill/prompts.jsonl
    (tools/distill_prompts.py; chat template applied), greedily and, for every
@@ -46,7 +48,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -148,13 +150,19 @@ def shard_paths(data_dir: str | Path) -> list[Path]:
     return sorted(p for p in Path(data_dir).glob("gen-*.npz") if not p.name.endswith(".tmp.npz"))
 
 
-def done_keys(data_dir: str | Path) -> set[tuple[int, float]]:
-    """(prompt id, temperature) of every sequence already in a shard."""
+def item_key(prompt_id: int, temperature: float, seed: int) -> tuple[int, float, int]:
+    """What identifies a generated sequence; greedy ones ignore the seed."""
+    return (int(prompt_id), round(float(temperature), 3), 0 if temperature == 0 else int(seed))
+
+
+def done_keys(data_dir: str | Path) -> set[tuple[int, float, int]]:
+    """item_key of every sequence already in a shard."""
     keys = set()
     for p in shard_paths(data_dir):
         s = Shard.load(p)
-        # float64 before rounding: a float32 0.7 would round to 0.699999988 and never match the work item's 0.7
-        keys.update(zip(s.prompt_id.tolist(), np.round(s.temperature.astype(np.float64), 3).tolist()))
+        # float64 first: a float32 0.7 would round to 0.699999988 and never match the work item's 0.7
+        temps = np.round(s.temperature.astype(np.float64), 3).tolist()
+        keys.update(item_key(i, t, d) for i, t, d in zip(s.prompt_id.tolist(), temps, s.seed.tolist()))
     return keys
 
 
@@ -173,15 +181,21 @@ def save_labels(path: Path, ids: np.ndarray, logp: np.ndarray) -> None:
 # ---------------------------------------------------------------- 1. generate
 
 
-def work_items(prompts: list[dict], sample_every: int, temperature: float) -> list[tuple[int, float, int]]:
-    """(prompt id, temperature, seed) to generate, in file order: greedy for every train prompt, sampled for some."""
+def work_items(prompts: list[dict], sample_every: int, temperature: float,
+               samples: int = 1) -> list[tuple[int, float, int]]:
+    """(prompt id, temperature, seed) to generate, in file order.
+
+    Greedy for every train prompt, and `samples` sampled answers for every
+    `sample_every`-th one. Sample j of prompt i has seed i + 1,000,000 j, so
+    asking for more samples later keeps every sequence already generated.
+    """
     items = []
     for p in prompts:
         if p["split"] != "train":
             continue
         items.append((p["id"], 0.0, 0))
         if sample_every and p["id"] % sample_every == 0:
-            items.append((p["id"], temperature, p["id"]))
+            items += [(p["id"], temperature, p["id"] + 1_000_000 * j) for j in range(samples)]
     return items
 
 
@@ -206,7 +220,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Path, labels_dir: str | Path,
                    batch: int = 64, max_new_tokens: int = 256, sample_every: int = 3, temperature: float = 0.7,
-                   flush_every: int = 128, flush_seconds: float = 300.0, minutes: float | None = None,
+                   samples: int = 1, flush_every: int = 128, flush_seconds: float = 300.0, minutes: float | None = None,
                    max_items: int | None = None, topk: int = TOPK, refill: int = 8, progress: bool = True) -> int:
     """Generate target responses for every train prompt not yet in a shard; returns the number of new sequences.
 
@@ -221,7 +235,7 @@ def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Pat
     if tok is None:
         raise ValueError("the target checkpoint has no tokenizer files; generate needs them to apply the chat template")
     done = done_keys(data_dir)
-    todo = [it for it in work_items(prompts, sample_every, temperature) if (it[0], round(it[1], 3)) not in done]
+    todo = [it for it in work_items(prompts, sample_every, temperature, samples) if item_key(*it) not in done]
     if max_items is not None:
         todo = todo[:max_items]
     log(f"generate: {len(done)} sequences already in {data_dir}, {len(todo)} to go")
@@ -229,7 +243,6 @@ def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Pat
         return 0
     stops = set(target.config.stop_ids)
     rendered = {}
-    max_prompt = 0
     for pid, _, _ in todo[: batch * 4]:
         rendered[pid] = render_prompt(tok, prompts[pid]["messages"])
     block_size = 16
@@ -302,7 +315,7 @@ def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Pat
         if not active:
             continue
         # -- one token for every active sequence from its logits
-        ids_k, logp_k = topk_logprobs(logits, topk)
+        ids_k, logp_k = (t.cpu() for t in topk_logprobs(logits, topk))
         still, next_tokens = [], []
         for row, s in enumerate(active):
             if s["params"].greedy:
@@ -362,8 +375,8 @@ def compute_labels(target: Transformer, shard: Shard, topk: int = TOPK, batch: i
         logits = target(x)  # (B, T, V)
         for b, (p, r) in enumerate(chunk):
             ids, lp = topk_logprobs(logits[b, len(p) - 1:len(p) - 1 + len(r)], topk)
-            ids_out.append(ids.numpy())
-            logp_out.append(lp.numpy())
+            ids_out.append(ids.cpu().numpy())
+            logp_out.append(lp.cpu().numpy())
     return np.concatenate(ids_out), np.concatenate(logp_out)
 
 
@@ -387,7 +400,7 @@ def shard_number(path: Path) -> int:
 
 
 def load_examples(data_dir: str | Path, labels_dir: str | Path, target_path: str | None = TARGET,
-                  topk: int = TOPK) -> list[Example]:
+                  topk: int = TOPK, device: str | None = None) -> list[Example]:
     """Every sequence of every shard with its soft labels; missing labels are recomputed with the target."""
     target = None
     out = []
@@ -399,7 +412,7 @@ def load_examples(data_dir: str | Path, labels_dir: str | Path, target_path: str
                 if target_path is None:
                     raise FileNotFoundError(f"{lp} is missing and no target was given to recompute it")
                 log(f"recomputing soft labels with {target_path} (missing: {lp})")
-                target = Transformer.from_pretrained(target_path)
+                target = Transformer.from_pretrained(target_path, device=device)
             save_labels(lp, *compute_labels(target, shard, topk))
         with np.load(lp) as z:
             ids, logp = z["ids"], z["logp"]
@@ -564,13 +577,17 @@ class TrainConfig:
 OPTIM_FIELDS = ("lr", "embed_lr", "warmup", "weight_decay", "hard_weight", "max_tokens")
 
 
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def evaluate(draft: Transformer, examples: list[Example], head_index: torch.Tensor, cfg: TrainConfig) -> dict:
     """Loss and top-1 agreement over `examples` (teacher forcing), no gradients."""
     draft.eval()
     tot = {"soft": 0.0, "agree": 0.0, "n": 0}
     with torch.no_grad():
         for i in range(0, len(examples), 16):
-            b = make_batch(examples[i:i + 16], head_index)
+            b = to_device(make_batch(examples[i:i + 16], head_index), draft.device)
             _, m = distill_loss(draft_head_logits(draft, b["x"]), b, cfg.hard_weight)
             for k in ("soft", "agree"):
                 tot[k] += m[k] * m["n"]
@@ -640,7 +657,7 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
                 target_path: str = TARGET, cfg: TrainConfig | None = None, minutes: float | None = None,
                 max_steps: int | None = None, ckpt_minutes: float = 5.0, export_to: str | Path | None = None,
                 export_minutes: float = 0.0, eval_every: int = 200, min_growth: float = 0.0,
-                overrides: dict | None = None, progress: bool = True) -> dict:
+                overrides: dict | None = None, device: str | None = None, progress: bool = True) -> dict:
     """Train (or resume training) the draft in `run_dir`; returns the last validation metrics.
 
     The run directory holds ckpt.pt (model, optimizer, step, epoch, the epoch's
@@ -654,12 +671,12 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
     """
     run_dir = Path(run_dir)
     ckpt_path = run_dir / "ckpt.pt"
-    examples = load_examples(data_dir, labels_dir, target_path)
+    examples = load_examples(data_dir, labels_dir, target_path, device=device)
     if not examples:
         raise ValueError(f"no generated sequences in {data_dir}; run `python tools/distill_draft.py generate` first")
     val = [e for e in examples if is_validation(e.prompt_id)][:200]
     if ckpt_path.is_file():
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         cfg = TrainConfig(**state["train_config"])
         for name, value in (overrides or {}).items():
             if name not in OPTIM_FIELDS:
@@ -669,8 +686,9 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
                 setattr(cfg, name, value)
         draft = Transformer(ModelConfig.from_dict(state["model_config"]))
         draft.load_state_dict(state["model"])
+        draft.to(device or "cpu")
         opt = make_optimizer(draft, cfg)
-        opt.load_state_dict(state["optimizer"])
+        opt.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
         for g, base in zip(opt.param_groups, (cfg.embed_lr, cfg.lr, cfg.lr)):
             g["base_lr"] = base  # the optimizer state carries the old ones
         opt.param_groups[1]["weight_decay"] = cfg.weight_decay
@@ -681,13 +699,13 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
     else:
         cfg = cfg or TrainConfig()
         train_ex = [e for e in examples if not is_validation(e.prompt_id)]
-        draft = build_draft(cfg, target_path, train_ex)
+        draft = build_draft(cfg, target_path, train_ex).to(device or "cpu")
         opt = make_optimizer(draft, cfg)
         step, epoch, order, pos, best = 0, 0, None, 0, -1.0
         torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(target_path)
     head_index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-    head_index[draft.head_ids] = torch.arange(len(draft.head_ids))
+    head_index[draft.head_ids.cpu()] = torch.arange(len(draft.head_ids))
     by_key = {e.key: e for e in examples}
     n_params = sum(p.numel() for p in draft.parameters())
     log(f"draft {draft.config.dim}d x {draft.config.n_layers} layers, head {len(draft.head_ids)}, {n_params / 1e6:.1f}M "
@@ -722,7 +740,7 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
                     if waited:
                         log(f"waited {waited:.0f}s for {min_growth:.0%} more data")
                 else:
-                    examples = load_examples(data_dir, labels_dir, target_path)
+                    examples = load_examples(data_dir, labels_dir, target_path, device=device)
                 by_key = {e.key: e for e in examples}
             train_ex = [e for e in examples if not is_validation(e.prompt_id)]
             order, pos = epoch_order(train_ex, epoch, cfg.max_tokens, cfg.seed), 0
@@ -732,7 +750,7 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
         if not keys:
             continue
         draft.train()
-        b = make_batch([by_key[k] for k in keys], head_index)
+        b = to_device(make_batch([by_key[k] for k in keys], head_index), draft.device)
         scale = min(1.0, (step + 1) / cfg.warmup)
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * scale
@@ -769,7 +787,7 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
 
 
 def load_run_draft(run_dir: str | Path) -> Transformer:
-    state = torch.load(Path(run_dir) / "ckpt.pt", weights_only=False)
+    state = torch.load(Path(run_dir) / "ckpt.pt", weights_only=False, map_location="cpu")
     draft = Transformer(ModelConfig.from_dict(state["model_config"]))
     draft.load_state_dict(state["model"])
     return draft
@@ -905,10 +923,11 @@ def measure_stage(target_path: str, draft_path: str, prompts: list[dict], n_prom
 def cmd_generate(args) -> None:
     set_threads(args.threads)
     torch.manual_seed(0)
-    target = Transformer.from_pretrained(args.target)
+    target = Transformer.from_pretrained(args.target, device=args.device)
     prompts = load_prompts(args.prompts)
     generate_stage(target, prompts, args.data, args.labels, batch=args.batch, max_new_tokens=args.max_new_tokens,
-                   sample_every=args.sample_every, temperature=args.temperature, flush_every=args.flush_every,
+                   sample_every=args.sample_every, temperature=args.temperature, samples=args.samples,
+                   flush_every=args.flush_every,
                    minutes=args.minutes, max_items=args.max_items, refill=args.refill)
 
 
@@ -919,7 +938,7 @@ def cmd_train(args) -> None:
     overrides = {f: v for f, v in given.items() if f in OPTIM_FIELDS}  # applied when resuming a run
     train_stage(args.run, args.data, args.labels, args.target, cfg, minutes=args.minutes, max_steps=args.max_steps,
                 ckpt_minutes=args.ckpt_minutes, export_to=args.export or None, export_minutes=args.export_minutes,
-                eval_every=args.eval_every, min_growth=args.min_growth, overrides=overrides)
+                eval_every=args.eval_every, min_growth=args.min_growth, overrides=overrides, device=args.device)
 
 
 def cmd_export(args) -> None:
@@ -953,10 +972,12 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--sample-every", type=int, default=3, help="also sample every n-th prompt at --temperature")
     g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--samples", type=int, default=1, help="sampled answers per sampled prompt (more target text)")
     g.add_argument("--flush-every", type=int, default=128, help="write a shard every n finished sequences")
     g.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
     g.add_argument("--max-items", type=int, default=None)
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("train", help="distil the draft (resumes from RUN/ckpt.pt)")
@@ -973,6 +994,7 @@ def main(argv=None) -> int:
     t.add_argument("--min-growth", type=float, default=0.0,
                    help="start a new epoch only when the data has grown by this fraction (when a generator runs alongside)")
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
     for f in TrainConfig.__dataclass_fields__.values():
         # architecture: for a new run only; optimisation (OPTIM_FIELDS): also changes a resumed run when given
         t.add_argument("--" + f.name.replace("_", "-"), type=float if isinstance(f.default, float) else int,
