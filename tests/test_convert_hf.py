@@ -314,3 +314,22 @@ def test_script_reports_errors_on_stderr(tmp_path, llama_dir):
     assert r.returncode == 1
     assert "error: architecture GPT2LMHeadModel is not supported" in r.stderr
     assert_nothing_left(tmp_path, tmp_path / "out")
+
+
+def test_export_of_a_subset_head_draft(tmp_path):
+    """A draft with a frequent-token head exports with its rows scattered into a full head (other ids: logit 0)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                      tie_embeddings=False, head_vocab_size=6)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        m.head_ids.copy_(torch.tensor([5, 1, 33, 7, 20, 0]))
+    m.save_pretrained(tmp_path / "draft")
+    export(tmp_path / "draft", tmp_path / "hf", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    x = torch.tensor([[3, 9, 27, 1]])
+    ours, theirs = m(x), hf(x).logits
+    ids = m.head_ids
+    assert (ours[..., ids] - theirs[..., ids]).abs().max() < 1e-4
+    others = [i for i in range(40) if i not in ids.tolist()]
+    assert torch.isinf(ours[..., others]).all() and (theirs[..., others] == 0).all()

@@ -90,7 +90,22 @@ def export(src: str | Path, dst: str | Path, overwrite: bool = False, progress: 
         check_state_dict(shapes, expected, str(wfile))
         dtypes = {n: TORCH_DTYPE[s.get_dtype()] for n, s in slices.items()}
         entries = [TensorEntry(minispec_to_hf_name(n), shapes[n], dtypes[n], lambda n=n: f.get_tensor(n))
-                   for n in slices]
+                   for n in slices if n not in ("head_ids", "lm_head.weight")]
+        if "lm_head.weight" in slices and cfg.head_vocab_size is None:
+            entries.append(TensorEntry("lm_head.weight", shapes["lm_head.weight"], dtypes["lm_head.weight"],
+                                       lambda: f.get_tensor("lm_head.weight")))
+        elif cfg.head_vocab_size is not None:
+            # transformers' Llama has no subset head: scatter its rows into a full-vocabulary lm_head whose
+            # other rows are zero (logit 0 instead of -inf). A usable draft for transformers' assisted
+            # generation, but not the same distribution outside the subset.
+            print(f"note: {src} has a {cfg.head_vocab_size}-id subset lm_head; the export scores the other "
+                  "ids with logit 0 instead of -inf", file=sys.stderr)
+
+            def full_head():
+                full = torch.zeros(cfg.vocab_size, cfg.dim, dtype=dtypes["lm_head.weight"])
+                full[f.get_tensor("head_ids")] = f.get_tensor("lm_head.weight")
+                return full
+            entries.append(TensorEntry("lm_head.weight", (cfg.vocab_size, cfg.dim), dtypes["lm_head.weight"], full_head))
         hf = hf_config_from_minispec(cfg, dtypes.get("embed_tokens.weight", torch.float32))
         gen = {k: v for k, v in (("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id)) if v is not None}
         with atomic_output_dir(dst, overwrite=overwrite) as tmp:
