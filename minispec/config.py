@@ -103,11 +103,16 @@ class ModelConfig:
     def load(cls, path: str) -> "ModelConfig":
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d, source=path)
+        return cls.from_dict(read_json(path), source=path)
+
+
+def read_json(path) -> dict:
+    """A JSON object from `path`, or a ValueError naming the file and what is wrong with it."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d

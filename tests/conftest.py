@@ -20,6 +20,23 @@ def tiny_model(seed: int = 0, scale: float = 1.0, **overrides) -> Transformer:
     return model
 
 
+def peaked_model(seed: int, vocab_size: int, dim: int = 32, n_layers: int = 2, logit_scale: float = 2.0,
+                 max_seq_len: int = 64) -> Transformer:
+    """Unit-variance embeddings, 1/sqrt(fan_in) weights, a scaled untied head: peaked,
+    context-dependent conditionals and greedy paths that wander over the vocabulary."""
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                                max_seq_len=max_seq_len, tie_embeddings=False))
+    with torch.no_grad():
+        for name, w in m.named_parameters():
+            if name == "embed_tokens.weight":
+                w.normal_(0.0, 1.0)
+            elif w.dim() > 1:
+                w.normal_(0.0, w.shape[1] ** -0.5)
+        m.lm_head.weight.mul_(logit_scale)
+    return m
+
+
 @pytest.fixture
 def model():
     return tiny_model(seed=0, scale=5.0)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import peaked_model
 from minispec import ModelConfig, SamplingParams, Transformer
 from minispec.equivalence import (DEFAULTS, ORDERS, EquivalenceInputError, analyse, holm, main, pit, plot_report,
                                   run_equivalence, target_pit, uniformity)
@@ -118,18 +119,8 @@ def test_uniformity_bins_keep_five_expected_per_bin():
 # ---------------------------------------------------------------------------
 
 def random_model(seed: int, vocab: int = 32, dim: int = 32, n_layers: int = 3, logit_scale: float = 2.0) -> Transformer:
-    """Unit-variance embeddings, 1/sqrt(fan_in) weights, a scaled head: peaked, context-dependent conditionals."""
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                                max_seq_len=64, tie_embeddings=False))
-    with torch.no_grad():
-        for name, w in m.named_parameters():
-            if name == "embed_tokens.weight":
-                w.normal_(0.0, 1.0)
-            elif w.dim() > 1:
-                w.normal_(0.0, w.shape[1] ** -0.5)
-        m.lm_head.weight.mul_(logit_scale)
-    return m
+    """Peaked, context-dependent conditionals."""
+    return peaked_model(seed, vocab, dim, n_layers, logit_scale)
 
 
 def truncated(target: Transformer, n_layers: int) -> Transformer:

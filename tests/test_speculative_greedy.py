@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import peaked_model
 from minispec import ModelConfig, Transformer
 from minispec.speculative import PromptLookupDrafter
 
@@ -21,18 +22,8 @@ V = 16
 
 def random_model(seed: int, dim: int = 32, n_layers: int = 3, logit_scale: float = 2.0, max_seq_len: int = 64,
                  vocab_size: int = V) -> Transformer:
-    """Unit-variance embeddings, 1/sqrt(fan_in) weights: greedy paths that wander over the vocabulary."""
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                                max_seq_len=max_seq_len, tie_embeddings=False))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name == "embed_tokens.weight":
-                p.normal_(0.0, 1.0)
-            elif p.dim() > 1:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-        m.lm_head.weight.mul_(logit_scale)
-    return m
+    """Peaked, context-dependent conditionals: greedy paths that wander over the vocabulary."""
+    return peaked_model(seed, vocab_size, dim, n_layers, logit_scale, max_seq_len)
 
 
 def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = None) -> Transformer:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import peaked_model
 from minispec import ModelConfig, SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
@@ -25,18 +26,8 @@ PROMPT = [1, 5, 2, 7, 3]
 
 
 def random_model(seed: int, dim: int = 32, n_layers: int = 2, logit_scale: float = 2.0, max_seq_len: int = 64) -> Transformer:
-    """Unit-variance embeddings, 1/sqrt(fan_in) weights, a scaled lm_head: peaked, context-dependent conditionals."""
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=V, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                                max_seq_len=max_seq_len, tie_embeddings=False))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name == "embed_tokens.weight":
-                p.normal_(0.0, 1.0)
-            elif p.dim() > 1:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-        m.lm_head.weight.mul_(logit_scale)
-    return m
+    """Peaked, context-dependent conditionals over V tokens."""
+    return peaked_model(seed, V, dim, n_layers, logit_scale, max_seq_len)
 
 
 def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) -> Transformer:

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from minispec.checkpoint import atomic_output_dir  # noqa: F401  (re-exported for the tools)
+from minispec.config import read_json  # noqa: F401  (re-exported for the tools)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,14 +96,3 @@ def copy_files(src: Path, dst: Path, names) -> list[str]:
             shutil.copyfile(src / n, dst / n)
             copied.append(n)
     return copied
-
-
-def read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
-    return d
