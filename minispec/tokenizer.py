@@ -126,6 +126,8 @@ def _pb_fields(data: bytes):
 
 
 def _varint_bytes(n: int) -> bytes:
+    """Protobuf varint; negative int32 values become 10-byte two's complement, as protobuf sends them."""
+    n &= (1 << 64) - 1
     out = bytearray()
     while True:
         b, n = n & 0x7F, n >> 7

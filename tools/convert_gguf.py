@@ -49,6 +49,7 @@ from _common import DTYPES, TensorEntry, atomic_output_dir, write_safetensors
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_shapes
 from minispec.config import ModelConfig
 from minispec.model import Transformer
+from minispec.tokenizer import _varint_bytes as _varint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -274,16 +275,6 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
         raise ConversionError(f"the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file "
                               f"lists {len(tokens)}")
     return tok.to_str(pretty=True)
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # negative int32 values are sent as 10-byte two's complement, as protobuf does
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _pb_int(field: int, v: int) -> bytes:
