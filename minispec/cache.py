@@ -5,9 +5,9 @@ Two layers, after vLLM's PagedAttention and nano-vllm's block manager:
 - `BlockAllocator` is plain Python (no torch): a free list and reference
   counts. Blocks are shared between sequences by `fork` (refcount + 1) and go
   back to the pool when their last owner lets go.
-- `PagedKVCache` owns the tensors: per-layer K and V pools of shape
-  (num_blocks, block_size, n_kv_heads, head_dim), plus each sequence's block
-  table and length. Token t of a sequence lives at slot
+- `PagedKVCache` owns the tensors: one pool per layer holding K and V side by
+  side, (num_blocks * block_size, 2 * n_kv_heads, head_dim) (one write and one
+  gather per layer and step), plus each sequence's block table and length. Token t of a sequence lives at slot
   `table[t // block_size] * block_size + t % block_size`.
 
 Writing is copy-on-write: before a sequence writes into a block that another
@@ -77,7 +77,9 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # (N,) pool slot of each valid new token, in (b, t) row-major order
     valid: torch.Tensor  # (B, T) bool: which new-token entries are real (not padding)
     read_slots: torch.Tensor  # (B, L) pool slots of each sequence's whole context, L = max context length
-    mask: torch.Tensor  # (B, 1, T, L) bool: query t may attend key j (causal and within the length)
+    read_range: tuple[int, int] | None  # (first, end): one sequence whose slots are consecutive (read as a view)
+    mask: torch.Tensor | None  # (B, 1, T, L) bool: query t may attend key j (causal and within the length);
+    # None when every query may attend every key it reads (one new token per sequence, equal lengths)
 
 
 class PagedKVCache:
@@ -97,10 +99,10 @@ class PagedKVCache:
                 raise ValueError(f"memory_bytes={memory_bytes} holds no block (one block needs {bytes_per_block} bytes)")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        # (n_layers, num_blocks * block_size, n_kv_heads, head_dim): a flat slot axis per layer
-        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # (n_layers, num_blocks * block_size, 2 * n_kv_heads, head_dim): a flat slot axis per layer,
+        # keys in the first n_kv_heads rows of a slot, values in the rest
+        self.n_kv_heads = n_kv_heads
+        self.kv = torch.zeros((n_layers, num_blocks * block_size, 2 * n_kv_heads, head_dim), dtype=dtype, device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -110,8 +112,18 @@ class PagedKVCache:
         return self.allocator.num_blocks
 
     @property
+    def k(self) -> torch.Tensor:
+        """Keys of every layer and slot, (n_layers, num_slots, n_kv_heads, head_dim): a view of the pool."""
+        return self.kv[:, :, :self.n_kv_heads]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Values of every layer and slot, (n_layers, num_slots, n_kv_heads, head_dim): a view of the pool."""
+        return self.kv[:, :, self.n_kv_heads:]
+
+    @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self.kv.device
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -178,8 +190,7 @@ class PagedKVCache:
             table, length = self.tables[s], self.lengths[s]
             if n > 0 and length % bs and self.allocator.refcount[table[-1]] > 1:
                 old, new = table[-1], self.allocator.allocate()
-                self.k[:, new * bs:(new + 1) * bs] = self.k[:, old * bs:(old + 1) * bs]
-                self.v[:, new * bs:(new + 1) * bs] = self.v[:, old * bs:(old + 1) * bs]
+                self.kv[:, new * bs:(new + 1) * bs] = self.kv[:, old * bs:(old + 1) * bs]
                 self.allocator.free(old)
                 table[-1] = new
             while len(table) < self.blocks_for(length + n):
@@ -211,12 +222,17 @@ class PagedKVCache:
             valid[b, :n_new[b]] = True
             read[b, :ctx[b]] = torch.tensor(self.slots(s), dtype=torch.long)
         write = torch.tensor([x for sl in new_slots for x in sl], dtype=torch.long)
-        key_pos = torch.arange(L)
-        # key j is visible to the query at absolute position p iff j <= p (the context is causal)
-        mask = key_pos.view(1, 1, 1, L) <= positions.view(B, 1, T, 1)
-        # padding queries see key 0 only, so softmax stays finite; their outputs are discarded
-        mask = mask | (~valid).view(B, 1, T, 1) & (key_pos == 0).view(1, 1, 1, L)
-        return AttentionMetadata(positions.to(dev), write.to(dev), valid.to(dev), read.to(dev), mask.to(dev))
+        mask = None
+        if T > 1 or min(ctx) < L:
+            key_pos = torch.arange(L)
+            # key j is visible to the query at absolute position p iff j <= p (the context is causal)
+            mask = key_pos.view(1, 1, 1, L) <= positions.view(B, 1, T, 1)
+            # padding queries see key 0 only, so softmax stays finite; their outputs are discarded
+            mask = (mask | (~valid).view(B, 1, T, 1) & (key_pos == 0).view(1, 1, 1, L)).to(dev)
+        read_range = None
+        if B == 1 and int(read[0, -1]) - int(read[0, 0]) == L - 1 and (L == 1 or bool((read[0].diff() == 1).all())):
+            read_range = (int(read[0, 0]), int(read[0, 0]) + L)
+        return AttentionMetadata(positions.to(dev), write.to(dev), valid.to(dev), read.to(dev), read_range, mask)
 
     def check_consistency(self) -> None:
         """Assert that the refcounts equal the block-table references (used by the tests)."""

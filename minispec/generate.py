@@ -85,10 +85,14 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     seqs = {i: cache.new_sequence() for i in active}
     logits = model.step(cache, [seqs[i] for i in active], [batch[i] for i in active])  # prefill: (B, vocab)
     while active:
-        probs = logits_to_probs(logits, params)
+        if params.greedy:  # the one-hot distribution's only token: no need to build and sample it
+            picks = logits.argmax(-1).tolist()
+        else:
+            probs = logits_to_probs(logits, params)
+            picks = [sample(probs[row], gens[i]) for row, i in enumerate(active)]
         still, next_tokens = [], []
         for row, i in enumerate(active):
-            tok = sample(probs[row], gens[i])
+            tok = picks[row]
             out[i].append(tok)
             if on_tokens is not None:
                 on_tokens(i, [tok])

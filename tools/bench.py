@@ -57,13 +57,16 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
+def timed(*fns, repeats: int) -> list[tuple[float, object]]:
+    """Median seconds and last result of each fn, the runs interleaved (a, b, a, b, ...) so that
+    a change in the machine's load during the run hits every contender alike."""
+    times, outs = [[] for _ in fns], [None] * len(fns)
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - t)
+    return [(statistics.median(ts), out) for ts, out in zip(times, outs)]
 
 
 def bench_core(new_tokens: int = 128, repeats: int = 3, threads: int = 2) -> dict:
@@ -83,8 +86,7 @@ def bench_core(new_tokens: int = 128, repeats: int = 3, threads: int = 2) -> dic
         return out[0, len(prompt):].tolist()
 
     run_minispec(), run_hf()  # warm up both
-    t_ms, out_ms = timed(run_minispec, repeats)
-    t_hf, out_hf = timed(run_hf, repeats)
+    (t_ms, out_ms), (t_hf, out_hf) = timed(run_minispec, run_hf, repeats=repeats)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = read_bandwidth()
     floor = bw / weight_bytes

@@ -688,7 +688,11 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
         draft.load_state_dict(state["model"])
         draft.to(device or "cpu")
         opt = make_optimizer(draft, cfg)
-        opt.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
+        try:
+            opt.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
+        except ValueError as e:  # e.g. a checkpoint from before q/k/v became one fused parameter
+            log(f"resume: the optimizer state does not fit this model's parameters ({e}); "
+                "keeping the weights and starting the optimizer afresh")
         for g, base in zip(opt.param_groups, (cfg.embed_lr, cfg.lr, cfg.lr)):
             g["base_lr"] = base  # the optimizer state carries the old ones
         opt.param_groups[1]["weight_decay"] = cfg.weight_decay
