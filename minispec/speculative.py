@@ -104,15 +104,20 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_k(a: float, c: float, k_max: int = 8) -> int:
+def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = None) -> int:
     """The draft length with the most tokens per unit of time.
 
     a: per-token acceptance probability; c: one draft step's cost relative to
-    one verify pass. A round of k drafts costs k*c + 1 verify passes and yields
-    expected_tokens(a, k); k = 0 is plain decoding (1 token for 1 pass), chosen
-    when speculation would not pay. Ties go to the smaller k.
+    one plain decode step (a target pass over one token). verify[k]: the cost of
+    the target pass that checks k drafts (k + 1 tokens), in the same unit;
+    default 1 for every k. On a GPU that pass costs about one step whatever k;
+    on a CPU it grows with k (a small matrix-matrix product is slower than a
+    matrix-vector one), which favours shorter drafts. A round of k drafts costs
+    k*c + verify[k] and yields expected_tokens(a, k); k = 0 is plain decoding,
+    chosen when speculation would not pay. Ties go to the smaller k.
     """
-    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + k * c), -k))
+    v = [1.0] * (k_max + 1) if verify is None else verify
+    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (v[k] + k * c), -k))
 
 
 class AdaptiveK:
@@ -121,14 +126,18 @@ class AdaptiveK:
     Acceptance is the maximum-likelihood estimate under the model above: each
     accepted draft is a success, each rejection a failure (a round that accepts
     all k has no failure), with older rounds decayed so the estimate follows the
-    text. Costs are decayed averages of the measured draft-step and verify times.
-    While plain decoding is chosen, one round in `probe_every` drafts a single
-    token so the estimates stay fresh.
+    text. Costs are decayed averages of the measured draft-step time and of the
+    verify time of rounds that drafted k tokens, kept per k (the verify pass
+    costs more for larger k on a CPU); a k not yet measured is taken to cost
+    what its measured neighbours do (interpolated; beyond them, the nearest),
+    so it gets tried and measured. While plain decoding is chosen, one round in
+    `probe_every` drafts a single token so the estimates stay fresh.
     Measured times make the choice of k depend on the machine, so a seeded run
     is reproducible only up to the k's chosen (the distribution is exact
     either way: each round's k depends only on earlier rounds). Pass
-    `cost_ratio` (draft step / verify pass) to fix the costs and make it
-    deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
+    `cost_ratio` (draft step / plain decode step, with verify costs taken as
+    equal for every k) to fix the costs and make it deterministic:
+    `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
     """
 
     def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 4,
@@ -140,7 +149,8 @@ class AdaptiveK:
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
         self.k_start = min(k_start, k_max)
         self.successes = self.failures = 0.0
-        self.draft_step_s = self.verify_s = None
+        self.draft_step_s: float | None = None
+        self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
         self.plain_rounds = 0
 
     @property
@@ -148,16 +158,28 @@ class AdaptiveK:
         total = self.successes + self.failures
         return self.successes / total if total else 0.0
 
+    def verify_cost(self, k: int) -> float:
+        """Estimated seconds of a verify pass over k drafts (needs at least one measurement)."""
+        if k in self.verify_s:
+            return self.verify_s[k]
+        lo = max((j for j in self.verify_s if j < k), default=None)
+        hi = min((j for j in self.verify_s if j > k), default=None)
+        if lo is None or hi is None:
+            return self.verify_s[hi if lo is None else lo]
+        w = (k - lo) / (hi - lo)
+        return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
+
     def choose(self) -> int:
-        if self.cost_ratio is not None:
-            c = self.cost_ratio
-        elif self.draft_step_s is None or self.verify_s is None:
-            return self.k_start  # nothing measured yet
-        else:
-            c = self.draft_step_s / self.verify_s
         if self.successes + self.failures == 0:
             return self.k_start
-        k = best_k(self.acceptance, c, self.k_max)
+        if self.cost_ratio is not None:
+            k = best_k(self.acceptance, self.cost_ratio, self.k_max)
+        elif self.draft_step_s is None or not self.verify_s:
+            return self.k_start  # nothing measured yet
+        else:
+            unit = self.verify_cost(0)
+            k = best_k(self.acceptance, self.draft_step_s / unit, self.k_max,
+                       [self.verify_cost(j) / unit for j in range(self.k_max + 1)])
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds % self.probe_every == 0:
@@ -172,7 +194,8 @@ class AdaptiveK:
         ema = lambda old, new: new if old is None else d * old + (1 - d) * new  # noqa: E731
         if draft_steps > 0:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
-        self.verify_s = ema(self.verify_s, verify_s)
+        k = max(drafted, default=0)
+        self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ emitting half a UTF-8 character, and its pieces add up to `decode(all_ids)`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -378,9 +379,9 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """sha256 of the vocabulary, merges/pieces, added tokens and special ids (hex)."""
+        """sha256 of the vocabulary, merges/pieces, added tokens and special ids (hex); computed once."""
         payload = {**self.backend.fingerprint_payload(), "bos_id": self.bos_id, "eos_ids": list(self.eos_ids)}
         blob = json.dumps(payload, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()

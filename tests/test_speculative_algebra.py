@@ -168,6 +168,28 @@ def test_expected_tokens_and_best_k():
     assert best_k(1.0, 0.0) == 8 and best_k(0.8, 0.05) > best_k(0.5, 0.05) > 0
 
 
+def test_best_k_with_verify_costs_that_grow_with_k():
+    a, c = 0.8, 0.05
+    flat = best_k(a, c)
+    growing = [1.0 + 0.25 * k for k in range(9)]  # a CPU: checking k drafts costs 1 + k/4 plain steps
+    k = best_k(a, c, verify=growing)
+    rate = [expected_tokens(a, j) / (growing[j] + j * c) for j in range(9)]
+    assert rate[k] == pytest.approx(max(rate)) and 0 < k < flat
+    assert best_k(a, c, verify=[1.0] * 9) == flat
+
+
+def test_adaptive_k_measures_verify_cost_per_k():
+    ak = AdaptiveK(k_max=8)
+    for _ in range(20):
+        ak.update([2], [2], draft_s=0.002, draft_steps=2, verify_s=0.010)
+        ak.update([6], [5], draft_s=0.006, draft_steps=6, verify_s=0.030)
+    assert ak.verify_cost(2) == pytest.approx(0.010) and ak.verify_cost(6) == pytest.approx(0.030)
+    assert ak.verify_cost(4) == pytest.approx(0.020)  # interpolated
+    assert ak.verify_cost(0) == pytest.approx(0.010) and ak.verify_cost(8) == pytest.approx(0.030)  # nearest
+    verify = [ak.verify_cost(j) / ak.verify_cost(0) for j in range(9)]
+    assert ak.choose() == best_k(ak.acceptance, 0.001 / 0.010, 8, verify)
+
+
 def test_adaptive_k_follows_its_estimates():
     ak = AdaptiveK(k_max=8, probe_every=4)
     assert ak.choose() == 4  # nothing measured yet

@@ -137,31 +137,44 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     prompts = [chat_ids(target, p) for p in BENCH_PROMPTS]
     rows = []
 
-    def measure(name: str, fn, batch: int = 1, k=None, temperature: float = 0.0):
-        """fn() -> (new token count, stats or None); median tokens/s over `repeats` runs."""
-        fn()  # warm-up
-        rates, stats = [], None
-        for _ in range(repeats):
-            t = time.perf_counter()
-            n, stats = fn()
-            rates.append(n / (time.perf_counter() - t))
-        row = {"engine": name, "batch": batch, "k": k, "temperature": temperature,
-               "tok_s": statistics.median(rates), "runs": rates}
-        if stats is not None:
-            a = stats.acceptance_rate
-            row.update(acceptance=a, measured_per_round=stats.mean_accepted,
-                       predicted_per_round=(expected_tokens(a, k) if isinstance(k, int) else None),
-                       mean_k=(statistics.mean(stats.k_chosen) if stats.k_chosen else None))
-        rows.append(row)
-        print(f"  {name:<34} batch {batch:>2}  k={str(k):<5} T={temperature:<4} {row['tok_s']:7.1f} tok/s"
-              + (f"  acc {row['acceptance']:.2f}  {row['measured_per_round']:.2f}/round" if stats else ""),
-              file=sys.stderr, flush=True)
+    plan = []  # (row, fn): every contender is registered first, then all run in interleaved rounds
+
+    def measure(name: str, fn, batch: int = 1, k=None, temperature: float = 0.0, warm=None):
+        """Register fn() -> (new token count, stats or None); run() times it with the others."""
+        row = {"engine": name, "batch": batch, "k": k, "temperature": temperature}
+        plan.append((row, fn, warm or (lambda: fn(warm=True))))
         return row
 
+    def run_plan():
+        """Warm every contender up, then time `repeats` rounds of all of them (a, b, c, a, b, c, ...),
+        so that a change in the machine's load during the run hits every contender alike."""
+        for _, _, warm in plan:
+            warm()
+        rates: list[list[float]] = [[] for _ in plan]
+        stats: list = [None] * len(plan)
+        for r in range(repeats):
+            print(f"round {r + 1}/{repeats}", file=sys.stderr, flush=True)
+            for i, (row, fn, _) in enumerate(plan):
+                t = time.perf_counter()
+                n, stats[i] = fn()
+                rates[i].append(n / (time.perf_counter() - t))
+        for (row, _, _), rs, st in zip(plan, rates, stats):
+            row.update(tok_s=statistics.median(rs), runs=rs)
+            if st is not None:
+                a = st.acceptance_rate
+                k = row["k"]
+                row.update(acceptance=a, measured_per_round=st.mean_accepted,
+                           predicted_per_round=(expected_tokens(a, k) if isinstance(k, int) else None),
+                           mean_k=(statistics.mean(st.k_chosen) if st.k_chosen else None))
+            rows.append(row)
+            print(f"  {row['engine']:<34} batch {row['batch']:>2}  k={str(row['k']):<5} T={row['temperature']:<4} "
+                  f"{row['tok_s']:7.1f} tok/s" + (f"  acc {row['acceptance']:.2f}  {row['measured_per_round']:.2f}/round"
+                                                  if st is not None else ""), file=sys.stderr, flush=True)
+
     def over_prompts(run_one):
-        def fn():
+        def fn(warm: bool = False):  # warm: the first prompt only, to pay first-call costs
             total, last = 0, None
-            for i, ids in enumerate(prompts):
+            for i, ids in enumerate(prompts[:1] if warm else prompts):
                 n, last = run_one(ids, i)
                 total += n
             return total, last
@@ -178,7 +191,6 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             return len(res.tokens), res.stats
         return over_prompts(one)
 
-    print("minispec, batch 1:", file=sys.stderr)
     base = measure("minispec target-only", gen(0.0))
     base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
     for k in (*ks, "auto"):
@@ -219,7 +231,6 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                     out = hf_target.generate(torch.tensor([ids]), **kw)
                 return out.shape[1] - len(ids), None
             return over_prompts(one)
-        print("transformers, batch 1:", file=sys.stderr)
         measure("transformers generate", hf_gen(None, 0.0))
         measure("transformers assisted generation", hf_gen(hf_draft, 0.0), k="hf")
         measure("transformers assisted generation", hf_gen(hf_draft, 0.7), k="hf", temperature=0.7)
@@ -227,7 +238,6 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     for bsz in batch_sizes:
         if bsz == 1:
             continue
-        print(f"minispec, batch {bsz}:", file=sys.stderr)
         batch = [prompts[i % len(prompts)] for i in range(bsz)]
 
         def gen_b(batch=batch):
@@ -237,8 +247,10 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         def spec_b(batch=batch):
             res = target.speculate(draft, batch, k=4, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
             return sum(map(len, res.tokens)), res.stats
-        measure("minispec target-only", gen_b, batch=bsz)
-        measure("minispec speculate", spec_b, batch=bsz, k=4)
+        measure("minispec target-only", gen_b, batch=bsz, warm=gen_b)
+        measure("minispec speculate", spec_b, batch=bsz, k=4, warm=spec_b)
+
+    run_plan()
 
     load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
             f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
