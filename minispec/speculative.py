@@ -315,6 +315,13 @@ class CachedRows:
 # drafters
 # ---------------------------------------------------------------------------
 
+def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """(len(tokens), V) float64 rows, each 1 at its token: the q of a deterministic proposal."""
+    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float64)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q
+
+
 class Drafter:
     """What `speculate` asks of a drafter. Rows are indices into the prompt batch.
 
@@ -367,6 +374,10 @@ class ModelDrafter(Drafter):
         for j in range(max(ks.values(), default=0)):
             live = [r for r in rows if ks[r] > j]
             logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
+            if self.params.greedy and not self.unprocessed_q:  # q is one-hot on the argmax: skip building it per step
+                for r, d in zip(live, logits.argmax(-1).tolist()):
+                    tokens[r].append(d)
+                continue
             probs = logits_to_probs(logits, self.params).double().cpu()  # (B, V)
             u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live])
             reported = logits.float().softmax(-1).double().cpu() if self.unprocessed_q else probs
@@ -374,6 +385,8 @@ class ModelDrafter(Drafter):
                 tokens[r].append(d)
                 qs[r].append(reported[b])
         V = self.model.config.vocab_size
+        if self.params.greedy and not self.unprocessed_q:
+            return [tokens[r] for r in rows], [one_hot(tokens[r], V) for r in rows]
         return ([tokens[r] for r in rows],
                 [torch.stack(qs[r]) if qs[r] else torch.zeros(0, V, dtype=torch.float64) for r in rows])
 
@@ -417,12 +430,7 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, rows, ks, contexts, gens):
         tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
-        qs = []
-        for t in tokens:
-            q = torch.zeros(len(t), self.vocab_size, dtype=torch.float64)
-            q[torch.arange(len(t)), torch.tensor(t, dtype=torch.long)] = 1.0
-            qs.append(q)
-        return tokens, qs
+        return tokens, [one_hot(t, self.vocab_size) for t in tokens]
 
 
 def check_compatible(target, draft) -> None:
@@ -521,13 +529,24 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         # p_1..p_{k+1} of row b are the logits at its last pending token and at each of its drafts
         b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
         t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-        probs = logits_to_probs(logits[b_idx, t_idx], params).double().cpu()  # (sum over rows of k_b + 1, V)
+        # greedy: p is one-hot on the target's argmax, and the exact rule reduces to "accept the drafts while
+        # they equal it, then emit it" (verify() gives the same; this skips building k+1 one-hot rows)
+        greedy = params.greedy and sampler == "exact"
+        if greedy:
+            picks = logits[b_idx, t_idx].argmax(-1).tolist()
+        else:
+            probs = logits_to_probs(logits[b_idx, t_idx], params).double().cpu()  # (sum over rows of k_b + 1, V)
         still, start, n_accepted = [], 0, []
         for b, i in enumerate(active):
             kb = len(drafts[b])
-            p, start = probs[start:start + kb + 1], start + kb + 1
-            uniforms = torch.rand(kb + 1, generator=gens[i], dtype=torch.float64)
-            n, nxt = verify(drafts[b], qs[b], p, uniforms, sampler)
+            if greedy:
+                want, start = picks[start:start + kb + 1], start + kb + 1
+                n = next((j for j, d in enumerate(drafts[b]) if d != want[j]), kb)
+                nxt = want[n]
+            else:
+                p, start = probs[start:start + kb + 1], start + kb + 1
+                uniforms = torch.rand(kb + 1, generator=gens[i], dtype=torch.float64)
+                n, nxt = verify(drafts[b], qs[b], p, uniforms, sampler)
             stats._count(kb, n)
             n_accepted.append(n)
             new = drafts[b][:n] + [nxt]
