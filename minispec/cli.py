@@ -82,8 +82,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint")
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="speculative decoding with this draft checkpoint, or with prompt lookup (n-gram drafts)")
-    p.add_argument("--k", type=_k, default=4,
-                   help="draft tokens proposed per round (default 4), or 'auto' to adapt it to the acceptance rate")
+    p.add_argument("--k", type=_k, default="auto",
+                   help="draft tokens proposed per round, or 'auto' (the default): chosen each round from the "
+                        "measured acceptance rate and step costs, plain decoding when speculation would not pay")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64, help="default 64")
@@ -148,7 +149,8 @@ def run_generate(args: argparse.Namespace) -> int:
     summary = (f"{len(new)} tokens in {elapsed:.2f} s: {len(new) / max(elapsed, 1e-9):.1f} tokens/s "
                f"(prompt {len(ids)} tokens, prefill included)")
     if stats is not None:
-        summary += (f"; speculation k={args.k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
+        k = args.k if args.k != "auto" else f"auto (mean {sum(stats.k_chosen) / max(len(stats.k_chosen), 1):.1f})"
+        summary += (f"; speculation k={k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
                     f"{stats.mean_accepted:.2f} tokens per round")
     print(summary, file=sys.stderr)
     return 0

@@ -1,0 +1,70 @@
+"""The command line (python -m minispec) and a smoke run of tools/bench.py on SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minispec.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOL = ROOT / "weights" / "smollm2-135m-instruct"
+DRAFT = ROOT / "weights" / "smollm2-135m-draft"
+
+
+@pytest.fixture(scope="module")
+def smol_dirs():
+    if not (SMOL / "config.json").is_file():
+        pytest.skip(f"{SMOL} is absent: convert it with `make weights` (tools/convert_gguf.py)")
+    torch.set_num_threads(1)
+    return str(SMOL), str(DRAFT)
+
+
+def test_generate_plain_and_speculative_agree(smol_dirs, capsys):
+    target, draft = smol_dirs
+    args = ["generate", "--target", target, "--chat", "--prompt", "Name a colour.", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert re.search(r"\b([1-9]|1[0-2]) tokens in [0-9.]+ s", plain.err)  # at most 12: eos may come first
+    assert main(args + ["--draft", draft]) == 0  # greedy: speculation changes the speed, never the text
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and spec.out.strip()
+    assert "speculation k=auto (mean" in spec.err
+    assert main(args + ["--draft", "prompt-lookup", "--k", "3"]) == 0
+    lookup = capsys.readouterr()
+    assert lookup.out == plain.out and "speculation k=3" in lookup.err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--k", "0"], "--k"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--draft", "/nonexistent"], "not a minispec checkpoint"),
+])
+def test_generate_bad_arguments_exit_2(smol_dirs, capsys, extra, match):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", smol_dirs[0], "--prompt", "Hi", *extra])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_spec_smoke(smol_dirs, tmp_path):
+    """tools/bench.py spec end to end at a tiny size: every contender runs and lands in the table."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+
+    res = bench.bench_spec(*smol_dirs, new_tokens=6, repeats=1, threads=1, ks=(2,), batch_sizes=(1, 2),
+                           with_hf=True, plot=str(tmp_path / "spec.png"), quick=True)
+    engines = {(r["engine"], r["batch"], r["k"], r["temperature"]) for r in res["rows"]}
+    assert ("minispec target-only", 1, None, 0.0) in engines and ("minispec speculate", 1, "auto", 0.7) in engines
+    assert ("transformers assisted generation", 1, "hf", 0.0) in engines
+    assert ("minispec speculate", 2, 4, 0.0) in engines
+    assert all(r["tok_s"] > 0 for r in res["rows"])
+    spec2 = next(r for r in res["rows"] if r["engine"] == "minispec speculate" and r["k"] == 2 and r["temperature"] == 0)
+    assert 1.0 <= spec2["measured_per_round"] <= 3.0 and spec2["predicted_per_round"] >= 1.0
+    table = bench.spec_table(res)
+    assert table.count("\n|") >= len(res["rows"]) and "Resident memory" in table
+    assert (tmp_path / "spec.png").stat().st_size > 0
