@@ -232,11 +232,13 @@ class _Timed:
 
 
 def _sample(target, draft, prompts: list[list[int]], n: int, T: int, params: SamplingParams, k: int, sampler: str,
-            seed: int, batch_size: int, bar) -> _Timed:
+            seed: int, batch_size: int, desc: str, progress: bool) -> _Timed:
     """n samples of T tokens per prompt, in chunks of batch_size; sample g (prompt-major) uses seed + g.
 
     draft None = target-only sampling (`generate`), the calibration reference.
+    progress: show a progress bar labelled `desc` on stderr (it is not part of the timing).
     """
+    bar = _progress_bar(n * len(prompts), desc, progress)
     out: list[list[int]] = []
     res = _Timed(out, 0.0)
     t0 = time.perf_counter()
@@ -262,6 +264,8 @@ def _sample(target, draft, prompts: list[list[int]], n: int, T: int, params: Sam
             if bar is not None:
                 bar.update(b)
     res.seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
     return res
 
 
@@ -500,10 +504,7 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
         return _greedy(target, draft, batch, tokens, k, sampler, settings, notes, t_start)
 
     n_total = samples * len(batch)
-    bar = _progress_bar(n_total, "speculative", progress)
-    spec = _sample(target, draft, batch, samples, tokens, params, k, sampler, seed, batch_size, bar)
-    if bar is not None:
-        bar.close()
+    spec = _sample(target, draft, batch, samples, tokens, params, k, sampler, seed, batch_size, "speculative", progress)
     t0 = time.perf_counter()
     # the PIT's own uniforms: a stream of their own, independent of every sampling generator
     u, impossible = target_pit(target, batch, spec.tokens, params, np.random.default_rng([seed, 1]), orders)
@@ -519,10 +520,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
         notes.append("the drafter proposed no tokens, so no draft was ever verified: the test says nothing about "
                      "the acceptance rule (prompt lookup needs repeated n-grams in the context)")
     if reference:
-        bar = _progress_bar(n_total, "target-only", progress)
-        ref = _sample(target, None, batch, samples, tokens, params, k, sampler, seed, batch_size, bar)
-        if bar is not None:
-            bar.close()
+        ref = _sample(target, None, batch, samples, tokens, params, k, sampler, seed, batch_size, "target-only",
+                      progress)
         t0 = time.perf_counter()
         u_ref, imp_ref = target_pit(target, batch, ref.tokens, params, np.random.default_rng([seed, 2]), orders)
         pit_s += time.perf_counter() - t0

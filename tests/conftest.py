@@ -1,9 +1,21 @@
-"""Shared fixtures: tiny random models with fixed seeds."""
+"""Shared fixtures and helpers: tiny random models with fixed seeds, tiny Hugging Face models, the GGUF converter."""
+
+import copy
+import importlib.util
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from minispec import ModelConfig, Transformer
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+HF_VOCAB = 97  # vocabulary of the tiny Hugging Face models (make_hf)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          # short enough that every frequency of a 16-wide head is scaled or smoothed at these lengths
+          "original_max_position_embeddings": 16}
 
 
 def tiny_model(seed: int = 0, scale: float = 1.0, **overrides) -> Transformer:
@@ -40,3 +52,41 @@ def peaked_model(seed: int, vocab_size: int, dim: int = 32, n_layers: int = 2, l
 @pytest.fixture
 def model():
     return tiny_model(seed=0, scale=5.0)
+
+
+def load_gguf_converter():
+    """tools/convert_gguf.py as a module (tools/ goes on sys.path: it imports tools/_common.py as the scripts do)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location("convert_gguf", TOOLS / "convert_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def scramble_(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter at O(1) scale: weights ~N(0, 1/width), norm gains ~1+N(0,0.2^2), biases ~N(0,0.5^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                scale, shift = (0.2, 1.0) if "norm" in name else (0.5, 0.0)
+                p.copy_(shift + scale * torch.randn(p.shape, generator=g))
+            else:  # linears (out, in) and the embedding (vocab, dim): std 1/sqrt(width)
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+def make_hf(arch: str, seed: int = 0, **overrides):
+    """A tiny random transformers model ("llama", "qwen2" or "mistral"; fp32, eager attention, scrambled weights)."""
+    import transformers  # only the HF tests need it; they importorskip it first
+
+    kw = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2)
+    kw.update(copy.deepcopy(overrides))  # transformers writes into the rope dict it is given (adds rope_theta)
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}[arch]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**kw), attn_implementation="eager").eval()
+    scramble_(model, seed)
+    return model

@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,37 +29,11 @@ import convert_hf  # noqa: E402
 from convert_hf import ConversionError, convert  # noqa: E402
 from export_hf import export  # noqa: E402
 
+from conftest import HF_VOCAB, LLAMA3, make_hf, scramble_  # noqa: E402
 from minispec import ModelConfig, Transformer  # noqa: E402
 from minispec.checkpoint import CheckpointError  # noqa: E402
 
-VOCAB, TOL = 97, 1e-4
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
-
-
-def scramble_(model: torch.nn.Module, seed: int) -> None:
-    """O(1)-scale weights, so that a wrong tensor moves the logits far past the tolerance (as in test_hf_parity)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                scale, shift = (0.2, 1.0) if "norm" in name else (0.5, 0.0)
-                p.copy_(shift + scale * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-
-
-def make_hf(arch: str, seed: int = 0, **overrides):
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-              bos_token_id=1, eos_token_id=2)
-    kw.update(copy.deepcopy(overrides))  # transformers writes into the rope dict it is given (adds rope_theta)
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[arch]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**kw), attn_implementation="eager").eval()
-    scramble_(model, seed)
-    return model
+VOCAB, TOL = HF_VOCAB, 1e-4
 
 
 def save_hf(model, path: Path, layout: str) -> None:

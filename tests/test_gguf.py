@@ -24,6 +24,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from conftest import load_gguf_converter  # noqa: E402
 from minispec import Transformer  # noqa: E402
 from minispec.tokenizer import load_tokenizer  # noqa: E402
 
@@ -32,16 +33,7 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q = gguf.GGMLQuantizationType
 
 
-def _load_converter():
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))  # convert_gguf imports tools/_common.py as the scripts do
-    spec = importlib.util.spec_from_file_location("convert_gguf", ROOT / "tools" / "convert_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-conv = _load_converter()
+conv = load_gguf_converter()
 
 
 def smollm2_gguf() -> Path | None:
@@ -115,6 +107,21 @@ def _k_quant_blocks(rows: int, cols: int, qtype, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def add_metadata(w, meta: dict) -> None:
+    """Add each key of `meta` to GGUFWriter `w` as the GGUF type its Python value implies (int: uint32)."""
+    for key, value in meta.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+
+
 def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray], types: dict[str, object] | None = None,
                     arch: str = "llama", skip: tuple[str, ...] = ()) -> None:
     """A llama GGUF of `weights` (minispec names, HF layout); types maps GGUF name -> GGMLQuantizationType."""
@@ -129,17 +136,7 @@ def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray]
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(TINY["dim"] // TINY["n_heads"])
-    for key, value in vocab_meta.items():
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            w.add_array(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        else:
-            w.add_string(key, value)
+    add_metadata(w, vocab_meta)
     for name, arr in weights.items():
         g = gguf_name(name)
         if g in skip:
@@ -378,19 +375,8 @@ def test_unsupported_tensor_type_is_refused(tmp_path, spm_model):
     # rewrite with one tensor in a type the converter does not handle (IQ4_NL: 32 weights in 18 bytes)
     w = gguf.GGUFWriter(str(tmp_path / "iq2.gguf"), "llama")
     reader = gguf.GGUFReader(str(src))
-    for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            value = conv._field_value(field)
-            if isinstance(value, list):
-                w.add_array(key, value)
-            elif isinstance(value, bool):
-                w.add_bool(key, value)
-            elif isinstance(value, str):
-                w.add_string(key, value)
-            elif isinstance(value, float):
-                w.add_float32(key, value)
-            else:
-                w.add_uint32(key, value)
+    add_metadata(w, {key: conv._field_value(field) for key, field in reader.fields.items()
+                     if not key.startswith("GGUF.") and key != "general.architecture"})
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data))
     w.add_tensor("blk.1.ffn_up.weight", np.zeros((256, 64 // 32 * 18), dtype=np.uint8), raw_dtype=Q.IQ4_NL)

@@ -18,27 +18,23 @@ and the weight copy uses minispec.checkpoint.hf_to_minispec_name: one map each.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # make_hf (conftest) needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from convert_hf import ConversionError, config_from_hf  # noqa: E402
 
+from conftest import HF_VOCAB, LLAMA3, make_hf  # noqa: E402
 from minispec import ModelConfig, Transformer  # noqa: E402
 from minispec.checkpoint import hf_to_minispec_name  # noqa: E402
 
-VOCAB, T, BATCH, TOL = 97, 48, 2, 1e-4
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          # short enough that every frequency of a 16-wide head is scaled or smoothed at these lengths
-          "original_max_position_embeddings": 16}
+VOCAB, T, BATCH, TOL = HF_VOCAB, 48, 2, 1e-4
 
 # name -> (architecture, HF config overrides)
 CASES = {
@@ -54,31 +50,6 @@ CASES = {
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
     "qwen2_tied_mqa": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1000000.0)),
 }
-
-
-def scramble_(model: torch.nn.Module, seed: int) -> None:
-    """Re-draw every parameter at O(1) scale (see the module docstring). Works on HF and minispec names alike."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                scale, shift = (0.2, 1.0) if "norm" in name else (0.5, 0.0)
-                p.copy_(shift + scale * torch.randn(p.shape, generator=g))
-            else:  # linears (out, in) and the embedding (vocab, dim): std 1/sqrt(width)
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-
-
-def make_hf(arch: str, seed: int = 0, **overrides):
-    """A tiny random transformers model (fp32, eager attention: the plain-maths reference)."""
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-              bos_token_id=1, eos_token_id=2)
-    kw.update(copy.deepcopy(overrides))  # transformers writes into the rope dict it is given (adds rope_theta)
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**kw), attn_implementation="eager").eval()
-    scramble_(model, seed)
-    return model
 
 
 def to_minispec(hf_model, **config_changes) -> Transformer:

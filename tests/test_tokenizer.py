@@ -13,14 +13,12 @@ import json
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_gguf_converter
 from minispec.tokenizer import Tokenizer, TokenizerError, load_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 FRAGMENTS = [
     "Hello world", "The quick brown fox jumps over the lazy dog.", "HELLO World", "hElLo WoRlD", "I'm", "don't", "WE'LL",
@@ -72,13 +70,12 @@ def training_lines() -> list[str]:
     return [line for i, line in enumerate(varied_lines(2000, seed=7)) if i % 4 in (0, 3)]
 
 
-def _load_converter():
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))  # convert_gguf imports tools/_common.py as the scripts do
-    spec = importlib.util.spec_from_file_location("convert_gguf", ROOT / "tools" / "convert_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def write_dir(tmp_path_factory, basename: str, files: dict[str, bytes]) -> Path:
+    """A new temporary directory holding `files` (file name -> contents)."""
+    d = tmp_path_factory.mktemp(basename)
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,12 +96,8 @@ def smol_gguf() -> Path:
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory, smol_gguf) -> Path:
     """Only the tokenizer files of the converted checkpoint (no weights needed here)."""
-    conv = _load_converter()
-    files = conv.tokenizer_files(conv.read_metadata(conv.open_gguf(smol_gguf)))
-    d = tmp_path_factory.mktemp("smol_tok")
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-    return d
+    conv = load_gguf_converter()
+    return write_dir(tmp_path_factory, "smol_tok", conv.tokenizer_files(conv.read_metadata(conv.open_gguf(smol_gguf))))
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +120,7 @@ def spm_dir(tmp_path_factory) -> Path:
         normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True, byte_fallback=True,
         character_coverage=0.98, split_digits=True, allow_whitespace_only_pieces=True, user_defined_symbols=["<tool>"],
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2, max_sentence_length=100000)
-    d = tmp_path_factory.mktemp("spm")
-    (d / "tokenizer.model").write_bytes(buf.getvalue())
-    return d
+    return write_dir(tmp_path_factory, "spm", {"tokenizer.model": buf.getvalue()})
 
 
 @pytest.fixture(scope="module")

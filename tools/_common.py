@@ -4,6 +4,8 @@
   the output is built in a temporary directory beside the destination and
   renamed into place only when complete, so a failed or interrupted run never
   leaves a half-written checkpoint under DST.
+- `tool_parser` and `run_tool`: the command line the tools share (SRC DST
+  [--dtype] [--overwrite] [--quiet]) and its exit codes (0, 1 with `error: ...`).
 - `write_safetensors`: writes a .safetensors file one tensor at a time.
   safetensors' own `save_file` needs every tensor in memory at once; streaming
   keeps the peak at one source tensor (plus its dtype-converted copy), so a
@@ -17,6 +19,7 @@ padded with spaces to a multiple of 8, then the raw little-endian tensor bytes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -48,6 +51,31 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]  # returns the tensor (any dtype); it is cast to `dtype` while writing
+
+
+def tool_parser(description: str, src_help: str, dst_help: str, src_metavar: str | None = None,
+                dst_metavar: str | None = None, dtype_default: str | None = None,
+                dtype_help: str | None = None) -> argparse.ArgumentParser:
+    """The tools' command line: SRC, DST, --dtype (only when `dtype_help` is given), --overwrite and --quiet."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("src", metavar=src_metavar, help=src_help)
+    ap.add_argument("dst", metavar=dst_metavar, help=dst_help)
+    if dtype_help is not None:
+        ap.add_argument("--dtype", choices=sorted(DTYPES), default=dtype_default, help=dtype_help)
+    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def run_tool(job: Callable[[], str], errors: tuple[type[Exception], ...]) -> int:
+    """Print the line job() returns and return 0; on one of `errors`, print `error: ...` to stderr and return 1."""
+    try:
+        line = job()
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(line)
+    return 0
 
 
 def progress(iterable, total: int, desc: str, enabled: bool):

@@ -23,7 +23,6 @@ once the new one is complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -44,7 +43,7 @@ try:  # run from a source checkout without installing minispec
 except ImportError:  # pragma: no cover
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DTYPES, TensorEntry, atomic_output_dir, write_safetensors
+from _common import DTYPES, TensorEntry, atomic_output_dir, run_tool, tool_parser, write_safetensors
 
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_shapes
 from minispec.config import ModelConfig
@@ -446,21 +445,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Convert a llama-architecture GGUF file into a minispec checkpoint dir.")
-    p.add_argument("src", metavar="FILE.gguf", help="the GGUF file")
-    p.add_argument("dst", metavar="DST_DIR", help="the checkpoint directory to create")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the stored weights (default float32)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    try:
+    args = tool_parser("Convert a llama-architecture GGUF file into a minispec checkpoint dir.",
+                       src_help="the GGUF file", dst_help="the checkpoint directory to create", src_metavar="FILE.gguf",
+                       dst_metavar="DST_DIR", dtype_default="float32",
+                       dtype_help="dtype of the stored weights (default float32)").parse_args(argv)
+
+    def job() -> str:
         cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
-    except (ConversionError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-          f"vocab {cfg.vocab_size}, {args.dtype}")
-    return 0
+        return (f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
+                f"vocab {cfg.vocab_size}, {args.dtype}")
+    return run_tool(job, (ConversionError, FileExistsError))
 
 
 if __name__ == "__main__":

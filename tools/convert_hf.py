@@ -23,7 +23,6 @@ time, and DST_DIR appears only when the conversion has fully succeeded.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -38,7 +37,8 @@ try:  # run from a source checkout without installing minispec
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DTYPES, TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, read_json, write_safetensors
+from _common import (DTYPES, TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, read_json, run_tool, tool_parser,
+                     write_safetensors)
 from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
                                  expected_shapes, hf_to_minispec_name)
 from minispec.config import ModelConfig
@@ -282,20 +282,15 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, overwrit
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", help="Hugging Face checkpoint directory (config.json + weights + tokenizer)")
-    ap.add_argument("dst", help="minispec checkpoint directory to create")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
-    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    try:
+    args = tool_parser(__doc__.split("\n\n")[0],
+                       src_help="Hugging Face checkpoint directory (config.json + weights + tokenizer)",
+                       dst_help="minispec checkpoint directory to create",
+                       dtype_help="cast the weights (default: as stored)").parse_args(argv)
+
+    def job() -> str:
         cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
-    except (ConversionError, CheckpointError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.dst}: {json.dumps({k: v for k, v in vars(cfg).items() if v is not None})}")
-    return 0
+        return f"wrote {args.dst}: {json.dumps({k: v for k, v in vars(cfg).items() if v is not None})}"
+    return run_tool(job, (ConversionError, CheckpointError, FileExistsError))
 
 
 if __name__ == "__main__":

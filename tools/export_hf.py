@@ -14,7 +14,6 @@ appears only once it is complete.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -28,7 +27,7 @@ try:  # run from a source checkout without installing minispec
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, write_safetensors
+from _common import TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, run_tool, tool_parser, write_safetensors
 from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
                                  expected_shapes, minispec_to_hf_name)
 from minispec.config import ModelConfig
@@ -120,19 +119,14 @@ def export(src: str | Path, dst: str | Path, overwrite: bool = False, progress: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", help="minispec checkpoint directory (config.json + model.safetensors)")
-    ap.add_argument("dst", help="Hugging Face checkpoint directory to create")
-    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    try:
+    args = tool_parser(__doc__.split("\n\n")[0],
+                       src_help="minispec checkpoint directory (config.json + model.safetensors)",
+                       dst_help="Hugging Face checkpoint directory to create").parse_args(argv)
+
+    def job() -> str:
         hf = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.dst} ({hf['architectures'][0]})")
-    return 0
+        return f"wrote {args.dst} ({hf['architectures'][0]})"
+    return run_tool(job, (CheckpointError, ValueError, FileNotFoundError, FileExistsError))
 
 
 if __name__ == "__main__":
