@@ -213,3 +213,35 @@ def test_resume_overrides_only_optimisation_fields_and_growth_wait_returns(gener
     # nothing new is being generated: the wait ends at the deadline with the same data
     same, waited = dd.wait_for_growth(ex, 0.5, root / "data", root / "labels", None, deadline=0.0, poll=0.01)
     assert dd.n_tokens(same) == dd.n_tokens(ex) and waited < 5
+
+
+def test_a_data_directory_refuses_another_targets_text(generated, target_dir, tmp_path):
+    root, _, _ = generated
+    assert json.loads((root / "data" / dd.MANIFEST).read_text())["config"]["dim"] == 32
+    other = Transformer(ModelConfig(vocab_size=VOCAB, dim=48, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                                    bos_id=1, eos_id=2))
+    other.tokenizer = load_tokenizer(target_dir)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="another target.*dim"):
+        dd.generate_stage(Transformer.from_pretrained(tmp_path / "other"), PROMPTS, root / "data", root / "labels",
+                          progress=False)
+    with pytest.raises(ValueError, match="another target"):
+        dd.load_examples(root / "data", root / "labels", str(tmp_path / "other"))
+    dd.load_examples(root / "data", root / "labels", str(target_dir))  # its own target still reads them
+
+
+def test_one_command_runs_the_whole_pipeline(target_dir, tmp_path):
+    torch.set_num_threads(1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "draft"
+    argv = ["--target", str(target_dir), "--out", str(out), "--data", str(tmp_path / "data"), "--labels",
+            str(tmp_path / "labels"), "--run", str(tmp_path / "run"), "--prompts", str(prompts), "--head-vocab", "20",
+            "--train-minutes", "0.02", "--threads", "1"]
+    assert dd.main(argv) == 0
+    assert len(keys_of(tmp_path / "data")) == len(dd.work_items(PROMPTS, 3, 0.7))  # every train prompt answered
+    draft = Transformer.from_pretrained(out)
+    assert draft.config.head_vocab_size == 20 and draft.tokenizer.fingerprint == load_tokenizer(target_dir).fingerprint
+    step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"]
+    assert dd.main(argv) == 0  # again: nothing left to generate, training resumes from its checkpoint
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] > step
