@@ -245,3 +245,24 @@ def test_one_command_runs_the_whole_pipeline(target_dir, tmp_path):
     step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"]
     assert dd.main(argv) == 0  # again: nothing left to generate, training resumes from its checkpoint
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] > step
+
+
+def test_an_interrupted_generate_keeps_its_finished_sequences(target_dir, tmp_path, monkeypatch):
+    target = Transformer.from_pretrained(target_dir)
+    real_step, calls = target.step, {"n": 0}
+
+    def step(*a, **kw):  # Ctrl-C (or SIGTERM, which cmd_generate turns into it) in the middle of decoding
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise KeyboardInterrupt
+        return real_step(*a, **kw)
+    monkeypatch.setattr(target, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        dd.generate_stage(target, PROMPTS, tmp_path / "data", tmp_path / "labels", batch=2, max_new_tokens=12,
+                          flush_every=100, refill=1, progress=False)
+    kept = keys_of(tmp_path / "data")
+    assert 0 < len(kept) < len(dd.work_items(PROMPTS, 3, 0.7))  # written although no flush was due
+    monkeypatch.setattr(target, "step", real_step)
+    n = dd.generate_stage(target, PROMPTS, tmp_path / "data", tmp_path / "labels", batch=2, max_new_tokens=12,
+                          refill=1, progress=False)
+    assert n + len(kept) == len(dd.work_items(PROMPTS, 3, 0.7))  # the rest, once each

@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -314,63 +315,68 @@ def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Pat
     queue = list(reversed(todo))  # pop() takes them in file order
     active: list[dict] = []
     logits = None
-    while queue or active:
-        out_of_time = deadline is not None and time.time() > deadline
-        # -- admit new sequences (prefill them together) when enough slots are free
-        if queue and not out_of_time and (len(active) == 0 or batch - len(active) >= refill):
-            new = []
-            while queue and len(active) + len(new) < batch:
-                pid, temp, seed = queue.pop()
-                ids = rendered.get(pid) or render_prompt(tok, prompts[pid]["messages"])
-                if len(ids) + max_new_tokens > per_seq * block_size:
-                    log(f"skipping prompt {pid}: {len(ids)} tokens do not fit the cache layout")
-                    continue
-                gen = make_generators(seed, 1)[0]
-                forked = root is not None and ids[: len(prefix)] == prefix and len(ids) > len(prefix)
-                new.append({"prompt_id": pid, "temperature": temp, "seed": seed, "prompt": ids, "response": [],
-                            "params": SamplingParams(temp), "gen": gen,
-                            "seq": cache.fork(root) if forked else cache.new_sequence(),
-                            "skip": len(prefix) if forked else 0, "ids": [], "logp": []})
-            if new:
-                new_logits = target.step(cache, [s["seq"] for s in new], [s["prompt"][s["skip"]:] for s in new])
-                # decode rows first, then the new ones (logits of the active rows come from the previous step)
-                logits = new_logits if not active else torch.cat([logits, new_logits])
-                active = active + new
-        if out_of_time and not active:
-            break
-        if not active:
-            continue
-        # -- one token for every active sequence from its logits
-        ids_k, logp_k = (t.cpu() for t in topk_logprobs(logits, topk))
-        still, next_tokens = [], []
-        for row, s in enumerate(active):
-            if s["params"].greedy:
-                t = int(logits[row].argmax())
-            else:
-                t = sample(logits_to_probs(logits[row], s["params"]), s["gen"])
-            s["response"].append(t)
-            s["ids"].append(ids_k[row].numpy())
-            s["logp"].append(logp_k[row].numpy())
-            n_tokens += 1
-            if t in stops or len(s["response"]) >= max_new_tokens:
-                cache.free(s["seq"])
-                finished.append({k: s[k] for k in ("prompt_id", "temperature", "seed", "prompt", "response")})
-                lab_ids.append(np.stack(s["ids"]))
-                lab_logp.append(np.stack(s["logp"]))
-                n_new_seqs += 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tok=n_tokens, tok_s=f"{n_tokens / (time.time() - t_start):.1f}", refresh=False)
-            elif out_of_time:
-                cache.free(s["seq"])  # dropped: redone by the next run
-            else:
-                still.append(s)
-                next_tokens.append([t])
-        active = still
-        if len(finished) >= flush_every or (finished and time.time() - last_flush > flush_seconds):
-            flush()
-        if active:
-            logits = target.step(cache, [s["seq"] for s in active], next_tokens)
+    try:
+        while queue or active:
+            out_of_time = deadline is not None and time.time() > deadline
+            # -- admit new sequences (prefill them together) when enough slots are free
+            if queue and not out_of_time and (len(active) == 0 or batch - len(active) >= refill):
+                new = []
+                while queue and len(active) + len(new) < batch:
+                    pid, temp, seed = queue.pop()
+                    ids = rendered.get(pid) or render_prompt(tok, prompts[pid]["messages"])
+                    if len(ids) + max_new_tokens > per_seq * block_size:
+                        log(f"skipping prompt {pid}: {len(ids)} tokens do not fit the cache layout")
+                        continue
+                    gen = make_generators(seed, 1)[0]
+                    forked = root is not None and ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+                    new.append({"prompt_id": pid, "temperature": temp, "seed": seed, "prompt": ids, "response": [],
+                                "params": SamplingParams(temp), "gen": gen,
+                                "seq": cache.fork(root) if forked else cache.new_sequence(),
+                                "skip": len(prefix) if forked else 0, "ids": [], "logp": []})
+                if new:
+                    new_logits = target.step(cache, [s["seq"] for s in new], [s["prompt"][s["skip"]:] for s in new])
+                    # decode rows first, then the new ones (logits of the active rows come from the previous step)
+                    logits = new_logits if not active else torch.cat([logits, new_logits])
+                    active = active + new
+            if out_of_time and not active:
+                break
+            if not active:
+                continue
+            # -- one token for every active sequence from its logits
+            ids_k, logp_k = (t.cpu() for t in topk_logprobs(logits, topk))
+            still, next_tokens = [], []
+            for row, s in enumerate(active):
+                if s["params"].greedy:
+                    t = int(logits[row].argmax())
+                else:
+                    t = sample(logits_to_probs(logits[row], s["params"]), s["gen"])
+                s["response"].append(t)
+                s["ids"].append(ids_k[row].numpy())
+                s["logp"].append(logp_k[row].numpy())
+                n_tokens += 1
+                if t in stops or len(s["response"]) >= max_new_tokens:
+                    cache.free(s["seq"])
+                    finished.append({k: s[k] for k in ("prompt_id", "temperature", "seed", "prompt", "response")})
+                    lab_ids.append(np.stack(s["ids"]))
+                    lab_logp.append(np.stack(s["logp"]))
+                    n_new_seqs += 1
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(tok=n_tokens, tok_s=f"{n_tokens / (time.time() - t_start):.1f}", refresh=False)
+                elif out_of_time:
+                    cache.free(s["seq"])  # dropped: redone by the next run
+                else:
+                    still.append(s)
+                    next_tokens.append([t])
+            active = still
+            if len(finished) >= flush_every or (finished and time.time() - last_flush > flush_seconds):
+                flush()
+            if active:
+                logits = target.step(cache, [s["seq"] for s in active], next_tokens)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished sequence; only those in flight are redone
+        log("interrupted: writing the finished sequences")
+        flush()
+        raise
     flush()
     if bar is not None:
         bar.close()
@@ -952,7 +958,12 @@ def measure_stage(target_path: str, draft_path: str, prompts: list[dict], n_prom
 # ---------------------------------------------------------------- CLI
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_generate(args) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` flushes the finished sequences like Ctrl-C does
     set_threads(args.threads)
     torch.manual_seed(0)
     target = Transformer.from_pretrained(args.target, device=args.device)
