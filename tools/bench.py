@@ -200,18 +200,21 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     for k in (4, "auto"):
         measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
 
-    # draft step cost relative to the target step: one decode step each, median of many
-    def step_time(model):
+    # draft step cost relative to the target step: one decode step each, median of many; and the target's
+    # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
+    def step_time(model, n_tokens: int = 1, repeats: int = 30):
         cache = model.new_cache(num_blocks=64, block_size=16)
         s = cache.new_sequence()
         model.step(cache, [s], [prompts[0]])
         times = []
-        for _ in range(30):
+        for _ in range(repeats):
             t = time.perf_counter()
-            model.step(cache, [s], [[prompts[0][-1]]])
+            model.step(cache, [s], [prompts[0][-n_tokens:]], all_logits=n_tokens > 1)
             times.append(time.perf_counter() - t)
+            cache.truncate(s, len(prompts[0]))
         return statistics.median(times)
-    t_target, t_draft = step_time(target), step_time(draft)
+    verify_cost = {kk: step_time(target, kk + 1, 15) for kk in range(max(ks) + 1)}
+    t_target, t_draft = verify_cost[0], step_time(draft)
 
     if with_hf:
         from transformers import AutoModelForCausalLM
@@ -259,6 +262,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
     res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
+           "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
            "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
@@ -277,20 +281,38 @@ def _exported(src: str) -> str:
     return str(dst)
 
 
+def predicted_speedup(res: dict, row: dict) -> float | None:
+    """The cost model's speedup over target-only for a batch-1 row with a fixed k: expected tokens per
+    round over the round's cost (k draft steps + the verify pass over k drafts, in target steps)."""
+    from minispec.speculative import expected_tokens
+    k, a = row.get("k"), row.get("acceptance")
+    if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"]:
+        return None
+    c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
+    return expected_tokens(a, k) / (res["verify_cost"][k] + k * c)
+
+
 def spec_table(res: dict) -> str:
+    res = {**res, "verify_cost": {int(k): v for k, v in res["verify_cost"].items()}}  # JSON keys are strings
     base = {(r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"] if r["engine"] == "minispec target-only"}
-    lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | acceptance | tokens/round measured | predicted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | acceptance "
+             "| tokens/round measured | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in res["rows"]:
         ref = base.get((r["batch"], r["temperature"]))
-        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         k = r["k"] if r["k"] != "auto" or r.get("mean_k") is None else f"auto ({r['mean_k']:.1f})"
+        model = predicted_speedup(res, r)
         lines.append(f"| {r['engine']} | {r['batch']} | {'' if k is None else k} | {r['temperature']} | {r['tok_s']:.1f} | "
-                     f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(r.get('acceptance'), '.2f')} | "
+                     f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(model, '.2f')}{'x' if model else ''} | "
+                     f"{fmt(r.get('acceptance'), '.2f')} | "
                      f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt(r.get('predicted_per_round'), '.2f')} |")
     lines.append("")
+    vc = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(res["verify_cost"].items()))
     lines.append(f"Draft step {res['draft_step_ms']:.1f} ms vs target step {res['target_step_ms']:.1f} ms "
-                 f"(ratio {res['draft_cost_ratio']:.3f}). Resident memory (peak / after the run): target alone "
+                 f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps: {vc}. "
+                 f"Cost model: tokens per round predicted from the measured acceptance, over k draft steps plus "
+                 f"that verify pass. Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
