@@ -260,11 +260,13 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def step(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[list[int]],
-             all_logits: bool = False) -> torch.Tensor:
+             all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model.
 
         Returns fp32 logits: (B, vocab) for each sequence's last new token, or with
         all_logits (B, T, vocab) for every new token (right-padded to T = max length).
+        With hidden, the final (normed) hidden states (B, T, dim) instead, for a caller that
+        applies `logits()` only where it needs them (the lm_head is the largest matrix).
         Prefill is a step with the whole prompt; decode is a step with one token each.
         """
         n_new = [len(t) for t in new_tokens]
@@ -283,6 +285,8 @@ class Transformer(nn.Module):
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
         h = self._trunk(padded.to(self.device), meta.positions, cache, meta)  # (B, T, dim)
+        if hidden:
+            return h
         if all_logits:
             return self.logits(h).float()
         if min(n_new) == T:  # every sequence's last new token is in the last column

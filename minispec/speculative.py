@@ -285,14 +285,16 @@ class CachedRows:
         for s in parents.values():
             self.cache.free(s)
 
-    def feed(self, rows: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Append each row's pending tokens (first feed of a round only) and then tokens[j]; return the logits."""
+    def feed(self, rows: list[int], tokens: list[list[int]], all_logits: bool = False,
+             hidden: bool = False) -> torch.Tensor:
+        """Append each row's pending tokens (first feed of a round only) and then tokens[j]; return the logits
+        (or the hidden states: see Transformer.step)."""
         lists = []
         for r, t in zip(rows, tokens):
             lists.append(self.pending[r] + t)
             self.pending[r] = []
             self.fed.setdefault(r, []).extend(t)
-        return self.model.step(self.cache, [self.seq[r] for r in rows], lists, all_logits=all_logits)
+        return self.model.step(self.cache, [self.seq[r] for r in rows], lists, all_logits=all_logits, hidden=hidden)
 
     def commit(self, row: int, new_tokens: list[int]) -> None:
         """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest."""
@@ -471,6 +473,26 @@ def make_drafter(target, draft, sampler: str) -> Drafter:
 # the loop
 # ---------------------------------------------------------------------------
 
+@torch.inference_mode()
+def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance for a batch from the target's hidden states h (B, T, dim): per row, the
+    number of drafts equal to the target's argmax before the first that is not, and the token
+    that follows (the correction, or the bonus after a full acceptance)."""
+    n_acc, nxt = [0] * len(drafts), [None] * len(drafts)
+    for j in range(max(map(len, drafts)) + 1):
+        rows = [b for b, d in enumerate(drafts) if nxt[b] is None and j <= len(d)]
+        if not rows:
+            break
+        picks = target.logits(h[rows, [n_pending[b] - 1 + j for b in rows]]).argmax(-1).tolist()
+        for b, t in zip(rows, picks):
+            if j < len(drafts[b]) and drafts[b][j] == t:
+                n_acc[b] += 1
+            else:
+                nxt[b] = t
+    return n_acc, nxt
+
+
+@torch.inference_mode()
 def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_tokens: int = 64, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
               on_tokens: OnTokens | None = None, block_size: int = 16, sampler: str = "exact",
@@ -525,24 +547,25 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
                 raise RuntimeError(f"{type(drafter).__name__} proposed {len(drafts[b])} tokens for sequence {i}, "
                                    f"more than the {ks[b]} asked for")
         n_pending = [len(tgt.pending[i]) for i in active]
-        logits = tgt.feed(active, drafts, all_logits=True)  # (B, T, V): ONE target pass verifies the whole batch
-        # p_1..p_{k+1} of row b are the logits at its last pending token and at each of its drafts
-        b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
-        t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+        # ONE target pass verifies the whole batch: hidden states (B, T, dim); p_1..p_{k+1} of row b come
+        # from those at its last pending token and at each of its drafts
+        h = tgt.feed(active, drafts, hidden=True)
         # greedy: p is one-hot on the target's argmax, and the exact rule reduces to "accept the drafts while
-        # they equal it, then emit it" (verify() gives the same; this skips building k+1 one-hot rows)
+        # they equal it, then emit it" (verify() gives the same). Position j's logits are then needed only
+        # if drafts 1..j were all accepted, so the lm_head (the largest matrix) runs position by position
+        # over the rows still in play: mostly one matrix-vector product instead of a k+1-row product.
         greedy = params.greedy and sampler == "exact"
         if greedy:
-            picks = logits[b_idx, t_idx].argmax(-1).tolist()
+            greedy_n, greedy_next = greedy_verify(target, h, n_pending, drafts)
         else:
-            probs = logits_to_probs(logits[b_idx, t_idx], params).double().cpu()  # (sum over rows of k_b + 1, V)
+            b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
+            t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+            probs = logits_to_probs(target.logits(h[b_idx, t_idx]).float(), params).double().cpu()  # (sum k_b + 1, V)
         still, start, n_accepted = [], 0, []
         for b, i in enumerate(active):
             kb = len(drafts[b])
             if greedy:
-                want, start = picks[start:start + kb + 1], start + kb + 1
-                n = next((j for j, d in enumerate(drafts[b]) if d != want[j]), kb)
-                nxt = want[n]
+                n, nxt = greedy_n[b], greedy_next[b]
             else:
                 p, start = probs[start:start + kb + 1], start + kb + 1
                 uniforms = torch.rand(kb + 1, generator=gens[i], dtype=torch.float64)
