@@ -202,18 +202,21 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
     # draft step cost relative to the target step: one decode step each, median of many; and the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
-    def step_time(model, n_tokens: int = 1, repeats: int = 30):
+    def step_time(model, n_tokens: int = 1, repeats: int = 30, hidden: bool = False):
         cache = model.new_cache(num_blocks=64, block_size=16)
         s = cache.new_sequence()
         model.step(cache, [s], [prompts[0]])
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            model.step(cache, [s], [prompts[0][-n_tokens:]], all_logits=n_tokens > 1)
+            model.step(cache, [s], [prompts[0][-n_tokens:]], all_logits=n_tokens > 1, hidden=hidden)
             times.append(time.perf_counter() - t)
             cache.truncate(s, len(prompts[0]))
         return statistics.median(times)
+    # sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
+    # the lm_head one position at a time, as long as the drafts agree (minispec.speculative.greedy_verify)
     verify_cost = {kk: step_time(target, kk + 1, 15) for kk in range(max(ks) + 1)}
+    trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft)
 
     if with_hf:
@@ -263,6 +266,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
            "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
+           "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
            "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
@@ -289,11 +293,16 @@ def predicted_speedup(res: dict, row: dict) -> float | None:
     if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"]:
         return None
     c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
-    return expected_tokens(a, k) / (res["verify_cost"][k] + k * c)
+    tokens = expected_tokens(a, k)
+    if row["temperature"] == 0:  # the lm_head runs once per committed token (greedy_verify)
+        verify = res["trunk_cost"][k] + tokens * (1.0 - res["trunk_cost"][0])
+    else:
+        verify = res["verify_cost"][k]
+    return tokens / (verify + k * c)
 
 
 def spec_table(res: dict) -> str:
-    res = {**res, "verify_cost": {int(k): v for k, v in res["verify_cost"].items()}}  # JSON keys are strings
+    res = {**res, **{key: {int(k): v for k, v in res[key].items()} for key in ("verify_cost", "trunk_cost")}}  # JSON keys
     base = {(r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"] if r["engine"] == "minispec target-only"}
     lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | acceptance "
              "| tokens/round measured | predicted |",
@@ -308,11 +317,12 @@ def spec_table(res: dict) -> str:
                      f"{fmt(r.get('acceptance'), '.2f')} | "
                      f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt(r.get('predicted_per_round'), '.2f')} |")
     lines.append("")
-    vc = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(res["verify_cost"].items()))
+    vc = ", ".join(f"{k}: {v:.2f} ({res['trunk_cost'][k]:.2f})" for k, v in sorted(res["verify_cost"].items()))
     lines.append(f"Draft step {res['draft_step_ms']:.1f} ms vs target step {res['target_step_ms']:.1f} ms "
-                 f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps: {vc}. "
-                 f"Cost model: tokens per round predicted from the measured acceptance, over k draft steps plus "
-                 f"that verify pass. Resident memory (peak / after the run): target alone "
+                 f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps "
+                 f"(in brackets: without the lm_head): {vc}. Cost model: tokens per round predicted from the measured "
+                 f"acceptance, over k draft steps plus that verify pass (greedy: the trunk, then the lm_head once per "
+                 f"committed token). Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
