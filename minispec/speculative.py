@@ -27,6 +27,7 @@ lookup in the sequence's own context (`PromptLookupDrafter`; Saxena 2023).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -140,7 +141,7 @@ class AdaptiveK:
     `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
     """
 
-    def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 4,
+    def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 2,
                  cost_ratio: float | None = None):
         if not (isinstance(k_max, int) and k_max >= 1):
             raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
@@ -196,6 +197,33 @@ class AdaptiveK:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
         k = max(drafted, default=0)
         self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
+
+
+# k="auto" carries its estimator from call to call: target -> {(draft, sampling settings, batch size): (draft
+# reference, AdaptiveK)}. Weak on both sides, so it never keeps a model alive.
+_AUTO_K: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def auto_k(target, draft, params: SamplingParams, batch_size: int) -> AdaptiveK:
+    """The AdaptiveK that k="auto" uses for this target, draft, sampling settings and batch size.
+
+    Acceptance depends on the pair and the sampling settings, the step costs on the
+    pair, the batch size and the machine; none of them on the prompt. So one
+    estimator serves every call with the same four, and a stream of requests pays
+    for finding the right k once instead of at the start of every call. (The seed
+    is not part of the key: it does not change the estimates.) Pass k=AdaptiveK()
+    to speculate for an estimator of your own, e.g. a fresh one.
+    """
+    if isinstance(draft, str):
+        ref, draft_key = (lambda d=draft: d), draft
+    else:
+        ref, draft_key = weakref.ref(draft), id(draft)
+    key = (draft_key, params.temperature, params.top_k, params.top_p, batch_size)
+    table = _AUTO_K.setdefault(target, {})
+    entry = table.get(key)
+    if entry is None or entry[0]() is not draft:  # new, or an id reused by another object
+        entry = table[key] = (ref, AdaptiveK())
+    return entry[1]
 
 
 # ---------------------------------------------------------------------------
@@ -502,7 +530,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
     k: draft tokens per round; "auto" picks k each round from the running acceptance
       estimate and the measured step costs (AdaptiveK; 0 = plain decoding when
-      speculation would not pay); or an AdaptiveK with settings of your own.
+      speculation would not pay), carried over from earlier calls with the same
+      draft, sampling settings and batch size (see auto_k); or an AdaptiveK of your own.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
     on_tokens, block_size: as in minispec.generate.generate (sequence i of a
     batch samples from the generator seeded seed + i; temperature 0 gives
@@ -519,9 +548,12 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     if k != "auto" and not isinstance(k, AdaptiveK) and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise ValueError(f"k (draft tokens per round) must be an integer >= 1 or 'auto', got {k!r}")
     stats = SpeculativeStats()
-    adaptive = AdaptiveK() if k == "auto" else k if isinstance(k, AdaptiveK) else None
     drafter = make_drafter(target, draft, sampler)
     batch, single = normalize_prompts(target, prompts)
+    if k == "auto":
+        adaptive = auto_k(target, draft, params, len(batch)) if sampler == "exact" else AdaptiveK()
+    else:
+        adaptive = k if isinstance(k, AdaptiveK) else None
     stops = resolve_stop_tokens(target, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
     max_len = target.config.max_seq_len

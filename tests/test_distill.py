@@ -152,6 +152,27 @@ def test_train_resumes_exactly_and_exports_a_loadable_draft(generated, target_di
     assert (Path(tmp_path / "draft") / "distill.json").is_file()
 
 
+def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_path):
+    root, _, _ = generated
+    torch.set_num_threads(1)
+    args = dict(data_dir=root / "data", labels_dir=root / "labels", target_path=str(target_dir), progress=False,
+                eval_every=100)
+    dd.train_stage(tmp_path / "first", cfg=small_cfg(), max_steps=3, export_to=tmp_path / "draft", **args)
+    exported = Transformer.from_pretrained(tmp_path / "draft", dtype=torch.float32)
+    # the architecture comes from the draft, whatever the config says; training goes on from its weights
+    dd.train_stage(tmp_path / "second", cfg=dd.TrainConfig(dim=8, head_vocab=10, warmup=2, max_tokens=64), max_steps=1,
+                   init_from=tmp_path / "draft", **args)
+    state = torch.load(tmp_path / "second" / "ckpt.pt", weights_only=False)
+    assert state["step"] == 1 and state["train_config"]["dim"] == 16 and state["train_config"]["head_vocab"] == 20
+    assert torch.equal(state["model"]["head_ids"], exported.head_ids)
+    w0, w1 = exported.state_dict()["layers.0.mlp.up_proj.weight"], state["model"]["layers.0.mlp.up_proj.weight"]
+    assert 0 < (w1 - w0).abs().max() < 0.05  # one small step away from the exported weights
+    target = Transformer.from_pretrained(target_dir)
+    target.save_pretrained(tmp_path / "not_a_draft")  # no subset head
+    with pytest.raises(ValueError, match="no subset head"):
+        dd.train_stage(tmp_path / "third", max_steps=1, init_from=tmp_path / "not_a_draft", **args)
+
+
 def test_simulate_greedy_rounds():
     # k=2: rounds start at 0 (accept 2, commit 3), 3 (accept 0, commit 1), 4 (accept 1, commit 2), 6 (commit 1:
     # the last token of the budget comes from the target, so nothing is drafted)

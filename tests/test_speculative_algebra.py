@@ -7,14 +7,17 @@ norm(max(0, p - q)) then supplies max(0, p - q); min(p, q) + max(0, p - q) = p.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec import ModelConfig, Transformer
-from minispec.sampling import sample, sample_rows
-from minispec.speculative import SAMPLERS, PromptLookupDrafter, SpeculativeStats, AdaptiveK, acceptance, best_k, expected_tokens, residual, verify
+from minispec.sampling import SamplingParams, sample, sample_rows
+from minispec.speculative import (SAMPLERS, AdaptiveK, PromptLookupDrafter, SpeculativeStats, acceptance, auto_k, best_k,
+                                  expected_tokens, residual, verify)
 
 # ---- hypothesis strategies: probability vectors with zeros, tiny entries, one-hots, equal and disjoint pairs ----
 
@@ -192,13 +195,31 @@ def test_adaptive_k_measures_verify_cost_per_k():
 
 def test_adaptive_k_follows_its_estimates():
     ak = AdaptiveK(k_max=8, probe_every=4)
-    assert ak.choose() == 4  # nothing measured yet
+    assert ak.choose() == ak.k_start == 2  # nothing measured yet
     for _ in range(30):  # a good cheap draft: 4 of 4 accepted most rounds
         ak.update([4, 4], [4, 3], draft_s=0.04, draft_steps=4, verify_s=0.1)
     assert ak.acceptance == pytest.approx(7 / 8) and ak.choose() == best_k(7 / 8, 0.1) >= 4
     for _ in range(60):  # the text changes: nothing is accepted any more
         ak.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
     assert [ak.choose() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # plain decoding, with a probe round
+
+
+def test_auto_k_is_carried_across_calls():
+    """k="auto" keeps one estimator per (target, draft, sampling settings, batch size) from call to call."""
+    target, draft = tiny(vocab_size=32), tiny(vocab_size=32)
+    greedy, warm = SamplingParams(0.0), SamplingParams(0.7)
+    ak = auto_k(target, draft, greedy, 1)
+    assert auto_k(target, draft, greedy, 1) is ak and auto_k(target, draft, SamplingParams(0.0, seed=5), 1) is ak
+    assert auto_k(target, draft, warm, 1) is not ak and auto_k(target, draft, greedy, 4) is not ak
+    assert auto_k(target, "prompt-lookup", greedy, 1) is not ak and auto_k(tiny(vocab_size=32), draft, greedy, 1) is not ak
+    target.speculate(draft, [1, 2, 3], k="auto", max_new_tokens=12)
+    seen = ak.successes + ak.failures
+    assert seen > 0  # the call updated the shared estimator ...
+    target.speculate(draft, [3, 2, 1], k="auto", max_new_tokens=12)
+    assert auto_k(target, draft, greedy, 1) is ak and ak.successes + ak.failures != seen  # ... and the next one too
+    del draft
+    gc.collect()  # a new draft never inherits a dead one's estimates, even at the same address
+    assert all(auto_k(target, tiny(vocab_size=32), greedy, 1).successes == 0 for _ in range(3))
 
 
 def test_stats():

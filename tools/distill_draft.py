@@ -76,6 +76,9 @@ LABELS = "runs/distill/labels"
 RUN = "runs/distill/main"
 DRAFT_OUT = "weights/smollm2-135m-draft"
 TOPK = 32  # soft labels kept per position
+# --target-dtype: bfloat16 runs the target 2-2.5x faster on CPUs with AMX (measured here: soft labels
+# 870 vs 394 response tokens/s) at a cost of ~2% argmax flips against float32 (KL 0.001 nat)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def log(msg: str) -> None:
@@ -389,26 +392,39 @@ def generate_stage(target: Transformer, prompts: list[dict], data_dir: str | Pat
 
 
 @torch.inference_mode()
-def compute_labels(target: Transformer, shard: Shard, topk: int = TOPK, batch: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def compute_labels(target: Transformer, shard: Shard, topk: int = TOPK, max_tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Top-k target log-probabilities at every response position of `shard`, by full forward passes.
 
     The logits at position t predict token t+1, so the response token r_j is
-    predicted at position P-1+j (P = prompt length).
+    predicted at position P-1+j (P = prompt length). Sequences are batched by
+    length (about `max_tokens` padded tokens per pass) and the lm_head is applied
+    to the response positions only: the prompt's logits are never needed.
     """
     seqs = list(shard.sequences())
-    ids_out, logp_out = [], []
-    for i in range(0, len(seqs), batch):
-        chunk = seqs[i:i + batch]
-        full = [np.concatenate([p, r]) for p, r in chunk]
-        T = max(len(f) for f in full)
-        x = torch.zeros(len(full), T, dtype=torch.long)  # right padding never affects earlier positions (causal)
-        for b, f in enumerate(full):
-            x[b, :len(f)] = torch.from_numpy(f)
-        logits = target(x)  # (B, T, V)
-        for b, (p, r) in enumerate(chunk):
-            ids, lp = topk_logprobs(logits[b, len(p) - 1:len(p) - 1 + len(r)], topk)
-            ids_out.append(ids.cpu().numpy())
-            logp_out.append(lp.cpu().numpy())
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
+    ids_out: list = [None] * len(seqs)
+    logp_out: list = [None] * len(seqs)
+    start = 0
+    while start < len(order):
+        T = len(seqs[order[start]][0]) + len(seqs[order[start]][1])
+        end = start + 1
+        while end < len(order):  # lengths ascend, so the last member sets the padded width
+            width = len(seqs[order[end]][0]) + len(seqs[order[end]][1])
+            if width * (end - start + 1) > max_tokens:
+                break
+            T, end = width, end + 1
+        chunk = order[start:end]
+        x = torch.zeros(len(chunk), T, dtype=torch.long)  # right padding never affects earlier positions (causal)
+        for b, i in enumerate(chunk):
+            p, r = seqs[i]
+            x[b, :len(p) + len(r)] = torch.from_numpy(np.concatenate([p, r]))
+        x = x.to(target.device)
+        h = target._trunk(x, torch.arange(T, device=target.device).expand(len(chunk), T))
+        for b, i in enumerate(chunk):
+            p, r = seqs[i]
+            ids, lp = topk_logprobs(target.logits(h[b, len(p) - 1:len(p) - 1 + len(r)]), topk)
+            ids_out[i], logp_out[i] = ids.cpu().numpy(), lp.cpu().numpy()
+        start = end
     return np.concatenate(ids_out), np.concatenate(logp_out)
 
 
@@ -432,7 +448,7 @@ def shard_number(path: Path) -> int:
 
 
 def load_examples(data_dir: str | Path, labels_dir: str | Path, target_path: str | None = TARGET,
-                  topk: int = TOPK, device: str | None = None) -> list[Example]:
+                  topk: int = TOPK, device: str | None = None, target_dtype: torch.dtype | None = None) -> list[Example]:
     """Every sequence of every shard with its soft labels; missing labels are recomputed with the target."""
     if target_path is not None:
         check_data_target(data_dir, ModelConfig.load(str(Path(target_path) / "config.json")), load_tokenizer(target_path))
@@ -446,7 +462,7 @@ def load_examples(data_dir: str | Path, labels_dir: str | Path, target_path: str
                 if target_path is None:
                     raise FileNotFoundError(f"{lp} is missing and no target was given to recompute it")
                 log(f"recomputing soft labels with {target_path} (missing: {lp})")
-                target = Transformer.from_pretrained(target_path, device=device)
+                target = Transformer.from_pretrained(target_path, device=device, dtype=target_dtype)
             save_labels(lp, *compute_labels(target, shard, topk))
         with np.load(lp) as z:
             ids, logp = z["ids"], z["logp"]
@@ -676,12 +692,13 @@ def n_tokens(examples: list[Example]) -> int:
 
 
 def wait_for_growth(examples: list[Example], growth: float, data_dir, labels_dir, target_path,
-                    deadline: float | None, poll: float = 60.0) -> tuple[list[Example], float]:
+                    deadline: float | None, poll: float = 60.0,
+                    target_dtype: torch.dtype | None = None) -> tuple[list[Example], float]:
     """Re-read the shards until they hold `growth` x more response tokens (or the deadline passes)."""
     want = n_tokens(examples) * (1 + growth)
     t0 = time.time()
     while True:
-        examples = load_examples(data_dir, labels_dir, target_path)
+        examples = load_examples(data_dir, labels_dir, target_path, target_dtype=target_dtype)
         if n_tokens(examples) >= want or (deadline is not None and time.time() > deadline):
             return examples, time.time() - t0
         time.sleep(poll)
@@ -691,7 +708,9 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
                 target_path: str = TARGET, cfg: TrainConfig | None = None, minutes: float | None = None,
                 max_steps: int | None = None, ckpt_minutes: float = 5.0, export_to: str | Path | None = None,
                 export_minutes: float = 0.0, eval_every: int = 200, min_growth: float = 0.0,
-                overrides: dict | None = None, device: str | None = None, progress: bool = True) -> dict:
+                overrides: dict | None = None, device: str | None = None, progress: bool = True,
+                target_dtype: torch.dtype | None = None, init_from: str | Path | None = None,
+                autocast: bool = False) -> dict:
     """Train (or resume training) the draft in `run_dir`; returns the last validation metrics.
 
     The run directory holds ckpt.pt (model, optimizer, step, epoch, the epoch's
@@ -705,7 +724,7 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
     """
     run_dir = Path(run_dir)
     ckpt_path = run_dir / "ckpt.pt"
-    examples = load_examples(data_dir, labels_dir, target_path, device=device)
+    examples = load_examples(data_dir, labels_dir, target_path, device=device, target_dtype=target_dtype)
     if not examples:
         raise ValueError(f"no generated sequences in {data_dir}; run `python tools/distill_draft.py generate` first")
     val = [e for e in examples if is_validation(e.prompt_id)][:200]
@@ -736,8 +755,21 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
         log(f"resumed {ckpt_path}: step {step}, epoch {epoch}, batch {pos}/{len(order)}")
     else:
         cfg = cfg or TrainConfig()
-        train_ex = [e for e in examples if not is_validation(e.prompt_id)]
-        draft = build_draft(cfg, target_path, train_ex).to(device or "cpu")
+        if init_from is not None:  # continue from an exported draft: its architecture and head, fresh optimizer
+            draft = Transformer.from_pretrained(init_from, dtype=torch.float32)
+            tcfg, ttok = ModelConfig.load(str(Path(target_path) / "config.json")), load_tokenizer(target_path)
+            if draft.config.vocab_size != tcfg.vocab_size or getattr(draft.tokenizer, "fingerprint", None) != ttok.fingerprint:
+                raise ValueError(f"{init_from} is not a draft for {target_path}: vocabulary or tokenizer differ")
+            if draft.head_ids is None:
+                raise ValueError(f"{init_from} has no subset head (head_ids); --init-from needs a draft made by this tool")
+            c = draft.config
+            cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads = c.dim, c.n_layers, c.n_heads, c.n_kv_heads
+            cfg.ffn_dim, cfg.head_vocab = c.ffn_dim, len(draft.head_ids)
+            draft = draft.to(device or "cpu")
+            log(f"new run initialised from {init_from}")
+        else:
+            train_ex = [e for e in examples if not is_validation(e.prompt_id)]
+            draft = build_draft(cfg, target_path, train_ex).to(device or "cpu")
         opt = make_optimizer(draft, cfg)
         step, epoch, order, pos, best = 0, 0, None, 0, -1.0
         torch.manual_seed(cfg.seed)
@@ -774,11 +806,12 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
                 epoch += 1
                 if min_growth > 0:
                     examples, waited = wait_for_growth(examples, min_growth, data_dir, labels_dir, target_path,
-                                                       deadline=start + 60 * minutes if minutes else None)
+                                                       deadline=start + 60 * minutes if minutes else None,
+                                                       target_dtype=target_dtype)
                     if waited:
                         log(f"waited {waited:.0f}s for {min_growth:.0%} more data")
                 else:
-                    examples = load_examples(data_dir, labels_dir, target_path, device=device)
+                    examples = load_examples(data_dir, labels_dir, target_path, device=device, target_dtype=target_dtype)
                 by_key = {e.key: e for e in examples}
             train_ex = [e for e in examples if not is_validation(e.prompt_id)]
             order, pos = epoch_order(train_ex, epoch, cfg.max_tokens, cfg.seed), 0
@@ -792,7 +825,9 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
         scale = min(1.0, (step + 1) / cfg.warmup)
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * scale
-        loss, m = distill_loss(draft_head_logits(draft, b["x"]), b, cfg.hard_weight)
+        with torch.autocast(draft.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = draft_head_logits(draft, b["x"])
+        loss, m = distill_loss(logits, b, cfg.hard_weight)  # in float32 either way
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -966,7 +1001,7 @@ def cmd_generate(args) -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` flushes the finished sequences like Ctrl-C does
     set_threads(args.threads)
     torch.manual_seed(0)
-    target = Transformer.from_pretrained(args.target, device=args.device)
+    target = Transformer.from_pretrained(args.target, device=args.device, dtype=DTYPES[args.target_dtype])
     prompts = load_prompts(args.prompts)
     generate_stage(target, prompts, args.data, args.labels, batch=args.batch, max_new_tokens=args.max_new_tokens,
                    sample_every=args.sample_every, temperature=args.temperature, samples=args.samples,
@@ -981,7 +1016,9 @@ def cmd_train(args) -> None:
     overrides = {f: v for f, v in given.items() if f in OPTIM_FIELDS}  # applied when resuming a run
     train_stage(args.run, args.data, args.labels, args.target, cfg, minutes=args.minutes, max_steps=args.max_steps,
                 ckpt_minutes=args.ckpt_minutes, export_to=args.export or None, export_minutes=args.export_minutes,
-                eval_every=args.eval_every, min_growth=args.min_growth, overrides=overrides, device=args.device)
+                eval_every=args.eval_every, min_growth=args.min_growth, overrides=overrides, device=args.device,
+                target_dtype=DTYPES[args.target_dtype], init_from=args.init_from,
+                autocast=args.bf16_autocast)
 
 
 def cmd_export(args) -> None:
@@ -1003,7 +1040,8 @@ def cmd_measure(args) -> None:
 
 def cmd_all(args) -> None:
     """generate, then train (exporting the best draft to --out), then optionally measure: each stage resumes."""
-    common = ["--target", args.target, "--threads", str(args.threads)] + (["--device", args.device] if args.device else [])
+    common = ["--target", args.target, "--threads", str(args.threads), "--target-dtype", args.target_dtype]
+    common += ["--device", args.device] if args.device else []
     data = ["--data", args.data, "--labels", args.labels]
     minutes = lambda m: ["--minutes", str(m)] if m is not None else []  # noqa: E731
     main(["generate", *common, *data, "--prompts", args.prompts, *minutes(args.gen_minutes)])
@@ -1041,6 +1079,8 @@ def main(argv=None) -> int:
     a.add_argument("--measure", action="store_true", help="measure acceptance on held-out prompts at the end")
     a.add_argument("--threads", type=int, default=2)
     a.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    a.add_argument("--target-dtype", choices=DTYPES, default="float32",
+                   help="the target's dtype while generating text and soft labels")
     a.set_defaults(func=cmd_all)
 
     g = sub.add_parser("generate", help="target responses to the prompts -> data/distill shards")
@@ -1059,6 +1099,7 @@ def main(argv=None) -> int:
     g.add_argument("--max-items", type=int, default=None)
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    g.add_argument("--target-dtype", choices=DTYPES, default="float32", help="the target's dtype while generating")
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("train", help="distil the draft (resumes from RUN/ckpt.pt)")
@@ -1076,6 +1117,14 @@ def main(argv=None) -> int:
                    help="start a new epoch only when the data has grown by this fraction (when a generator runs alongside)")
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    t.add_argument("--target-dtype", choices=DTYPES, default="float32",
+                   help="the target's dtype when soft labels must be recomputed")
+    t.add_argument("--bf16-autocast", action="store_true",
+                   help="run the draft's matrix products in bfloat16 (weights and optimizer stay float32); "
+                        "faster on CPUs with AMX and on GPUs")
+    t.add_argument("--init-from", default=None,
+                   help="start a new run from this exported draft (its architecture and head) instead of from the "
+                        "target's embedding; ignored when the run directory already has a checkpoint")
     for f in TrainConfig.__dataclass_fields__.values():
         # architecture: for a new run only; optimisation (OPTIM_FIELDS): also changes a resumed run when given
         t.add_argument("--" + f.name.replace("_", "-"), type=float if isinstance(f.default, float) else int,
