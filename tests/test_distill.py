@@ -96,8 +96,9 @@ def test_generate_resumes_without_duplicates(generated):
     assert 5 not in {k[0] for k in keys}  # the held-out prompt is never generated from
 
 
-def test_generated_text_matches_generate_and_labels_match_shards(generated):
+def test_generated_text_matches_generate_and_labels_match_shards(generated, target_dir):
     root, target, _ = generated
+    target_bf16 = Transformer.from_pretrained(target_dir, dtype=dd.DTYPES["bfloat16"])
     for path in dd.shard_paths(root / "data"):
         shard = dd.Shard.load(path)
         with np.load(dd.labels_path(root / "labels", path)) as z:
@@ -115,6 +116,10 @@ def test_generated_text_matches_generate_and_labels_match_shards(generated):
         re_ids, re_logp = dd.compute_labels(target, shard)
         assert (re_ids[:, :4] == ids[:, :4]).all()
         np.testing.assert_allclose(re_logp, logp.astype(np.float32), atol=2e-2)
+        # --target-dtype bfloat16: the same labels up to bf16 rounding
+        bf_ids, bf_logp = dd.compute_labels(target_bf16, shard)
+        assert (bf_ids[:, 0] == ids[:, 0]).mean() > 0.9
+        assert np.abs(bf_logp[:, 0] - logp[:, 0].astype(np.float32)).mean() < 0.05
 
 
 def small_cfg() -> dd.TrainConfig:
@@ -171,6 +176,20 @@ def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_p
     target.save_pretrained(tmp_path / "not_a_draft")  # no subset head
     with pytest.raises(ValueError, match="no subset head"):
         dd.train_stage(tmp_path / "third", max_steps=1, init_from=tmp_path / "not_a_draft", **args)
+
+
+def test_a_stop_request_ends_training_with_a_checkpoint(generated, target_dir, tmp_path, monkeypatch):
+    """SIGTERM / Ctrl-C during `train` (distill_draft._request_stop) finish the step, checkpoint and return."""
+    root, _, _ = generated
+    torch.set_num_threads(1)
+    monkeypatch.setattr(dd, "STOP_REQUESTED", False)
+    dd._request_stop(15, None)
+    assert dd.STOP_REQUESTED
+    dd.train_stage(tmp_path / "run", root / "data", root / "labels", str(target_dir), small_cfg(), max_steps=50,
+                   progress=False, export_to=None)
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] == 1
+    with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
+        dd._request_stop(15, None)
 
 
 def test_simulate_greedy_rounds():

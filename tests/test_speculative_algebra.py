@@ -255,7 +255,7 @@ def test_errors():
             target.speculate(draft, [1, 2], k=kk)
     res = target.speculate(draft, [1, 2], k="auto", max_new_tokens=20, stop_tokens=[])  # adaptive k is exact too
     assert res.tokens == target.generate([1, 2], max_new_tokens=20, stop_tokens=[])
-    assert len(res.stats.k_chosen) == res.stats.rounds and res.stats.k_chosen[0] == 4
+    assert len(res.stats.k_chosen) == res.stats.rounds and res.stats.k_chosen[0] == AdaptiveK().k_start
     with pytest.raises(ValueError, match="temperature"):
         target.speculate(draft, [1, 2], temperature=-1.0)
     with pytest.raises(ValueError, match="top_k"):

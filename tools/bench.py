@@ -375,6 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     if args.which == "spec":
         res = bench_spec(args.target, args.draft, args.new_tokens, args.repeats, args.threads,
@@ -382,9 +383,16 @@ def main(argv=None) -> int:
                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), with_hf=not args.no_hf,
                          plot=args.plot, quick=args.quick)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
-        return 0
-    res = bench_core(args.new_tokens, args.repeats, args.threads)
-    if args.json:
+    else:
+        res = bench_core(args.new_tokens, args.repeats, args.threads)
+        print_core(res, args.json)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def print_core(res: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(res, indent=2))
     else:
         print(f"| engine | tokens/s (median of {res['repeats']}) |\n|---|---|")
@@ -394,7 +402,6 @@ def main(argv=None) -> int:
               f"bandwidth floor {res['floor_tok_s']:.1f} tok/s ({res['weight_bytes'] / 1e6:.0f} MB at "
               f"{res['read_bandwidth_GB_s']:.1f} GB/s), minispec at {res['fraction_of_floor']:.2f} of it; "
               f"same greedy tokens: {res['same_tokens']}")
-    return 0
 
 
 if __name__ == "__main__":

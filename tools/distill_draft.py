@@ -837,7 +837,8 @@ def train_stage(run_dir: str | Path, data_dir: str | Path = DATA, labels_dir: st
         if bar is not None:
             bar.update(1)
             bar.set_postfix(ep=epoch, soft=f"{ema['soft']:.3f}", agree=f"{ema['agree']:.3f}", refresh=False)
-        stop = (minutes is not None and time.time() - start > 60 * minutes) or (max_steps is not None and step >= max_steps)
+        stop = ((minutes is not None and time.time() - start > 60 * minutes) or (max_steps is not None and step >= max_steps)
+                or STOP_REQUESTED)
         if step % eval_every == 0 or stop:
             last_val = evaluate(draft, val, head_index, cfg) if val else {}
             rec = {"step": step, "epoch": epoch, "time": round(time.time() - start), "train_soft": ema["soft"],
@@ -997,6 +998,17 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+STOP_REQUESTED = False  # set by SIGTERM / Ctrl-C during `train`: finish the step, checkpoint, stop
+
+
+def _request_stop(signum, frame):
+    global STOP_REQUESTED
+    if STOP_REQUESTED:  # a second signal: stop at once (the last periodic checkpoint stays)
+        raise KeyboardInterrupt(f"signal {signum}")
+    STOP_REQUESTED = True
+    log("stopping after this step (send the signal again to stop at once)")
+
+
 def cmd_generate(args) -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` flushes the finished sequences like Ctrl-C does
     set_threads(args.threads)
@@ -1010,6 +1022,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_train(args) -> None:
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     set_threads(args.threads)
     given = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f) is not None}
     cfg = TrainConfig(**given)
