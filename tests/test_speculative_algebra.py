@@ -188,7 +188,21 @@ def test_adaptive_k_measures_verify_cost_per_k():
         ak.update([6], [5], draft_s=0.006, draft_steps=6, verify_s=0.030)
     assert ak.verify_cost(2) == pytest.approx(0.010) and ak.verify_cost(6) == pytest.approx(0.030)
     assert ak.verify_cost(4) == pytest.approx(0.020)  # interpolated
-    assert ak.verify_cost(0) == pytest.approx(0.010) and ak.verify_cost(8) == pytest.approx(0.030)  # nearest
+    assert ak.verify_cost(0) == pytest.approx(0.010)  # below: the smallest measured
+    assert ak.verify_cost(8) == pytest.approx(0.040)  # above: the last slope (0.005 per draft) continued
+    verify = [ak.verify_cost(j) / ak.verify_cost(0) for j in range(9)]
+    assert ak.choose() == best_k(ak.acceptance, 0.001 / 0.010, 8, verify)
+
+
+def test_adaptive_k_extrapolates_verify_cost_never_downhill():
+    ak = AdaptiveK(k_max=8)
+    ak.update([2], [1], draft_s=0.002, draft_steps=2, verify_s=0.010)
+    assert ak.verify_cost(7) == pytest.approx(0.010)  # one k measured: flat
+    ak.update([3], [1], draft_s=0.003, draft_steps=3, verify_s=0.008)  # noise: k=3 measured cheaper than k=2
+    assert ak.verify_cost(7) == pytest.approx(0.008)  # a negative slope is not continued
+    for _ in range(40):
+        ak.update([3], [1], draft_s=0.003, draft_steps=3, verify_s=0.014)
+    assert ak.verify_cost(5) == pytest.approx(ak.verify_cost(3) + 2 * (ak.verify_cost(3) - ak.verify_cost(2)))
     verify = [ak.verify_cost(j) / ak.verify_cost(0) for j in range(9)]
     assert ak.choose() == best_k(ak.acceptance, 0.001 / 0.010, 8, verify)
 
