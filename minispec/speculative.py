@@ -131,9 +131,10 @@ class AdaptiveK:
     verify time of rounds that drafted k tokens, kept per k (the verify pass
     costs more for larger k on a CPU); a k not yet measured is taken to cost
     what its measured neighbours do (interpolated; below them, the smallest's
-    cost; above them, the slope of the two largest continued, or flat while
-    only one k is measured), so it gets tried and measured. While plain decoding is chosen, one round in
-    `probe_every` drafts a single token so the estimates stay fresh.
+    cost; above them, the slope of the two largest continued, never downhill,
+    or flat while only one k is measured), so it gets tried and measured.
+    While plain decoding is chosen, one round in `probe_every` drafts a single
+    token so the estimates stay fresh.
     Measured times make the choice of k depend on the machine, so a seeded run
     is reproducible only up to the k's chosen (the distribution is exact
     either way: each round's k depends only on earlier rounds). Pass
@@ -167,11 +168,12 @@ class AdaptiveK:
         lo = max((j for j in self.verify_s if j < k), default=None)
         hi = min((j for j in self.verify_s if j > k), default=None)
         if hi is None:  # beyond the largest measured k: continue the last measured slope, never downhill
-            below = sorted(self.verify_s)[-2:]
-            if len(below) < 2:
+            top = sorted(self.verify_s)[-2:]
+            if len(top) < 2:
                 return self.verify_s[lo]
-            (j0, j1), v1 = below, self.verify_s[below[1]]
-            return v1 + max(0.0, (v1 - self.verify_s[j0]) / (j1 - j0)) * (k - j1)
+            j0, j1 = top
+            slope = max(0.0, (self.verify_s[j1] - self.verify_s[j0]) / (j1 - j0))
+            return self.verify_s[j1] + slope * (k - j1)
         if lo is None:  # below the smallest: its cost (a shorter pass costs no more)
             return self.verify_s[hi]
         w = (k - lo) / (hi - lo)
