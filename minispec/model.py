@@ -34,10 +34,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, as Hugging Face does, then cast back
+        # x * rsqrt(mean(x^2) + eps), normalised in fp32 as Hugging Face does, cast back, then scaled.
+        # (F.rms_norm is a composite of more kernels on a CPU, and slower at decode sizes.)
         xf = x.float()
-        xf = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True).add_(self.eps))
-        return self.weight * xf.to(x.dtype)
+        xf = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(self.eps))
+        return self.weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -68,71 +69,75 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], sizes: list[int]) -> None:
+    """Keep the linear layers `parts` (same input, no bias or all biases) as one nn.Linear `fused`.
+
+    One matrix-vector product instead of several in every decode step. The rows of
+    `module.<fused>` are the parts' rows, stacked in order (`sizes` rows each), and
+    state_dict() / load_state_dict() still use the part names (the Hugging Face names),
+    so checkpoints and converters never see the fusion.
+    """
+    def split(mod, state_dict, prefix, local_metadata) -> None:
+        items = list(state_dict.items())
+        state_dict.clear()
+        for name, t in items:
+            if not name.startswith(f"{prefix}{fused}."):
+                state_dict[name] = t
+                continue
+            kind = name[len(f"{prefix}{fused}."):]
+            for part, piece in zip(parts, t.split(sizes)):
+                state_dict[f"{prefix}{part}.{kind}"] = piece.clone()  # own storage: safetensors refuses shared tensors
+
+    def fuse(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(n in state_dict for n in names):
+                pieces = [state_dict.pop(n) for n in names]
+                if all(t.dim() == pieces[0].dim() and t.shape[1:] == pieces[0].shape[1:] for t in pieces):
+                    state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(pieces)
+                else:  # let load_state_dict report the mismatch under the fused name
+                    error_msgs.append(f"{prefix}{'/'.join(parts)}.{kind} shapes {[tuple(t.shape) for t in pieces]} "
+                                      "cannot be stacked into one projection")
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(fuse)
+
+
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache (or, with no cache, plain causal attention).
 
     q, k and v come from one fused projection `qkv_proj` (rows: the H query heads, then the
-    Hkv key heads, then the Hkv value heads), so a decode step makes one matrix-vector product
-    instead of three. state_dict() and load_state_dict() still use the Hugging Face names
-    q_proj / k_proj / v_proj, so checkpoints and converters never see the fusion.
+    Hkv key heads, then the Hkv value heads); checkpoints keep q_proj / k_proj / v_proj.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.register_state_dict_post_hook(Attention._split_qkv)
-        self.register_load_state_dict_pre_hook(Attention._fuse_qkv)
+        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.dim, (H + 2 * Hkv) * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
+        fuse_projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [H * D, Hkv * D, Hkv * D])
 
-    def _qkv_sizes(self) -> list[int]:
-        return [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
-
-    @staticmethod
-    def _split_qkv(module, state_dict, prefix, local_metadata) -> None:
-        items = list(state_dict.items())
-        state_dict.clear()
-        for name, t in items:
-            kind = name[len(prefix + "qkv_proj."):] if name.startswith(prefix + "qkv_proj.") else None
-            if kind is None:
-                state_dict[name] = t
-                continue
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split(module._qkv_sizes())):
-                state_dict[f"{prefix}{part}.{kind}"] = piece.clone()  # own storage: safetensors refuses shared tensors
-
-    @staticmethod
-    def _fuse_qkv(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-        for kind in ("weight", "bias"):
-            names = [f"{prefix}{part}.{kind}" for part in ("q_proj", "k_proj", "v_proj")]
-            if all(n in state_dict for n in names):
-                parts = [state_dict.pop(n) for n in names]
-                shapes_ok = all(p.dim() == parts[0].dim() and p.shape[1:] == parts[0].shape[1:] for p in parts)
-                if shapes_ok:
-                    state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat(parts)
-                else:  # let load_state_dict report the mismatch under the fused name
-                    error_msgs.append(f"{prefix}q_proj/k_proj/v_proj.{kind} shapes {[tuple(p.shape) for p in parts]} "
-                                      "cannot be stacked into one projection")
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                cache: PagedKVCache | None, meta: AttentionMetadata | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pool: torch.Tensor | None, meta: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # F.linear on the weights directly: a module call costs a few microseconds, 120 times a step
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # queries and keys rotated together: (B, T, H+Hkv, D)
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        if cache is None:  # full causal forward over exactly these tokens
+        if pool is None:  # full causal forward over exactly these tokens
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)  # (B, Hkv, T, D)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
         else:
-            # write the valid new tokens' K and V (side by side: (.., 2*Hkv, D)) into their slots,
-            # then read each sequence's whole context
-            kv = torch.cat((qk[:, :, H:], qkv[:, :, H + Hkv:]), dim=2)  # (B, T, 2*Hkv, D)
-            pool = cache.kv[layer]  # (num_slots, 2*Hkv, D)
-            pool[meta.write_slots] = (kv[:, 0] if T == 1 else kv[meta.valid]).to(pool.dtype)
-            if meta.read_range is not None:  # one sequence whose slots are consecutive: a view, no gather
-                ctx = pool[meta.read_range[0]:meta.read_range[1]].unsqueeze(0)
+            # write the valid new tokens' K and V (side by side: (.., 2*Hkv, D)) into their pool
+            # slots (pool: (num_slots, 2*Hkv, D), this layer's), then read each sequence's whole context
+            kv = torch.cat((qk[:, :, H:], qkv[:, :, H + Hkv:]), dim=2).to(pool.dtype)  # (B, T, 2*Hkv, D)
+            if meta.read_range is not None:  # one sequence in consecutive slots, the new tokens last: views only
+                first, end = meta.read_range
+                pool[end - T:end] = kv[0]
+                ctx = pool[first:end].unsqueeze(0)
             else:
+                pool[meta.write_slots] = kv[:, 0] if T == 1 else kv[meta.valid]
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
             out = F.scaled_dot_product_attention(q, ctx[:, :Hkv], ctx[:, Hkv:], attn_mask=meta.mask,
@@ -142,15 +147,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one `gate_up_proj`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.ffn_dim = cfg.ffn_dim
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        fuse_projections(self, "gate_up_proj", ("gate_proj", "up_proj"), [cfg.ffn_dim, cfg.ffn_dim])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
-                        self.down_proj.weight)
+        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.ffn_dim, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -161,8 +169,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, meta)
+    def forward(self, x, cos, sin, pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -215,11 +223,16 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
         return cos, sin
 
-    def _trunk(self, tokens, positions, cache=None, meta=None) -> torch.Tensor:
+    def _trunk(self, tokens, positions, kv: torch.Tensor | None = None, meta: AttentionMetadata | None = None):
+        """Tokens (B, T) at `positions` -> final hidden states (B, T, dim).
+
+        kv: the cache's pool (n_layers, num_slots, 2*Hkv, D) and meta: where to write and read in it;
+        both None for a full causal forward.
+        """
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, cache, meta)
+            x = layer(x, cos, sin, None if kv is None else kv[i], meta)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -284,7 +297,7 @@ class Transformer(nn.Module):
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
-        h = self._trunk(padded.to(self.device), meta.positions, cache, meta)  # (B, T, dim)
+        h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
         if hidden:
             return h
         if all_logits:

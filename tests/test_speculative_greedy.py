@@ -197,3 +197,29 @@ def test_smollm2_greedy_equals_generate():
         res = target.speculate(draft, prompt, k=4, max_new_tokens=24, temperature=0.0)
         assert res.tokens == want
         assert res.stats.accepted > 0 and res.stats.rounds < 24
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 7])
+def test_greedy_verify_any_chunk_matches_full_argmax(chunk):
+    """greedy_verify scores `chunk` positions per lm_head product and stops at the first rejection;
+    whatever the chunk, it returns what the argmax over all positions says."""
+    from minispec.speculative import greedy_verify
+    model = random_model(3)
+    g = torch.Generator().manual_seed(0)
+    B, T = 5, 7
+    h = torch.randn(B, T, model.config.dim, generator=g)
+    top = model.logits(h).argmax(-1)  # (B, T)
+    n_pending = [1, 2, 1, 1, 2]
+    accept_upto = [0, 2, 5, 6, 3]  # row b's drafts agree with the target for its first accept_upto[b] positions
+    drafts, want = [], []
+    for b in range(B):
+        k = T - n_pending[b]
+        agree = top[b, n_pending[b] - 1:n_pending[b] - 1 + k].tolist()
+        d = [t if j < accept_upto[b] else (t + 1) % V for j, t in enumerate(agree)][:k]
+        drafts.append(d)
+        n = min(accept_upto[b], k)
+        want.append((n, int(top[b, n_pending[b] - 1 + n])))
+    drafts[4] = drafts[4][:2]  # a shorter draft: all accepted, the bonus token comes from its next position
+    want[4] = (2, int(top[4, n_pending[4] - 1 + 2]))
+    n_acc, nxt = greedy_verify(model, h, n_pending, drafts, chunk=chunk)
+    assert list(zip(n_acc, nxt)) == want

@@ -130,7 +130,7 @@ def process_memory_mb(code: str) -> tuple[float, float]:
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
                quick: bool = False) -> dict:
-    from minispec.speculative import expected_tokens
+    from minispec.speculative import GREEDY_HEAD_CHUNK, expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
@@ -214,7 +214,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             cache.truncate(s, len(prompts[0]))
         return statistics.median(times)
     # sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
-    # the lm_head one position at a time, as long as the drafts agree (minispec.speculative.greedy_verify)
+    # the lm_head over 3 positions at a time, as long as the drafts agree (minispec.speculative.greedy_verify)
     verify_cost = {kk: step_time(target, kk + 1, 15) for kk in range(max(ks) + 1)}
     trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft)
@@ -288,14 +288,15 @@ def _exported(src: str) -> str:
 def predicted_speedup(res: dict, row: dict) -> float | None:
     """The cost model's speedup over target-only for a batch-1 row with a fixed k: expected tokens per
     round over the round's cost (k draft steps + the verify pass over k drafts, in target steps)."""
-    from minispec.speculative import expected_tokens
+    from minispec.speculative import GREEDY_HEAD_CHUNK, expected_tokens
     k, a = row.get("k"), row.get("acceptance")
     if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"]:
         return None
     c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
     tokens = expected_tokens(a, k)
-    if row["temperature"] == 0:  # the lm_head runs once per committed token (greedy_verify)
-        verify = res["trunk_cost"][k] + tokens * (1.0 - res["trunk_cost"][0])
+    if row["temperature"] == 0:  # the lm_head runs once per 3 committed tokens (greedy_verify), ~1 step's head each
+        head_calls = 1.0 + max(0.0, tokens - GREEDY_HEAD_CHUNK) / GREEDY_HEAD_CHUNK
+        verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
     else:
         verify = res["verify_cost"][k]
     return tokens / (verify + k * c)
