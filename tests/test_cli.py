@@ -68,3 +68,21 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
     table = bench.spec_table(res)
     assert table.count("\n|") >= len(res["rows"]) and "Resident memory" in table
     assert (tmp_path / "spec.png").stat().st_size > 0
+
+
+def test_bench_merges_stats_over_prompts():
+    """The spec table's acceptance and tokens per round cover every bench prompt, not the last one."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+    from minispec.speculative import SpeculativeStats
+
+    a, b = SpeculativeStats(), SpeculativeStats()
+    a._count(4, 4), a._count(4, 1)
+    a.committed, a.rounds, a.k_chosen = 7, 2, [4, 4]
+    b._count(2, 0)
+    b.committed, b.rounds, b.k_chosen = 1, 1, [2]
+    m = bench.merge_stats([a, None, b])
+    assert (m.drafted, m.accepted, m.committed, m.rounds, m.sequence_rounds) == (10, 5, 8, 3, 3)
+    assert m.acceptance_rate == 0.5 and m.mean_accepted == 8 / 3 and m.k_chosen == [4, 4, 2]
+    assert m.position_drafted == [3, 3, 2, 2] and m.position_accepted == [2, 1, 1, 1]
+    assert bench.merge_stats([None]) is None

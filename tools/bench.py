@@ -112,6 +112,25 @@ BENCH_PROMPTS = [  # chat prompts never used to train the draft (tools/distill_p
 ]
 
 
+def merge_stats(stats: list):
+    """One SpeculativeStats for several runs (counts and times summed, lists joined), or None for none."""
+    from minispec.speculative import SpeculativeStats
+    stats = [st for st in stats if st is not None]
+    if not stats:
+        return None
+    out = SpeculativeStats()
+    for st in stats:
+        for name in ("rounds", "sequence_rounds", "drafted", "accepted", "committed", "draft_time_s", "verify_time_s"):
+            setattr(out, name, getattr(out, name) + getattr(st, name))
+        for name in ("position_drafted", "position_accepted"):
+            mine, theirs = getattr(out, name), getattr(st, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, v in enumerate(theirs):
+                mine[j] += v
+        out.k_chosen += st.k_chosen
+    return out
+
+
 def chat_ids(model, text: str) -> list[int]:
     tok = model.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
@@ -173,11 +192,12 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
     def over_prompts(run_one):
         def fn(warm: bool = False):  # warm: the first prompt only, to pay first-call costs
-            total, last = 0, None
+            total, stats = 0, []
             for i, ids in enumerate(prompts[:1] if warm else prompts):
-                n, last = run_one(ids, i)
+                n, st = run_one(ids, i)
                 total += n
-            return total, last
+                stats.append(st)
+            return total, merge_stats(stats)
         return fn
 
     def gen(temperature):
