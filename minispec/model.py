@@ -147,18 +147,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one `gate_up_proj`."""
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    gate and up stay two products: fusing them like q/k/v copies 212 MB of SmolLM2-135M's weights out
+    of the memory-mapped checkpoint (the mapped pages stay resident too) for no measurable speed-up.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ffn_dim = cfg.ffn_dim
-        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        fuse_projections(self, "gate_up_proj", ("gate_proj", "up_proj"), [cfg.ffn_dim, cfg.ffn_dim])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.ffn_dim, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
+                        self.down_proj.weight)
 
 
 class Block(nn.Module):

@@ -49,6 +49,19 @@ def peaked_model(seed: int, vocab_size: int, dim: int = 32, n_layers: int = 2, l
     return m
 
 
+def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = None) -> Transformer:
+    """A draft made of the target's first n_layers, its embedding, final norm and head (same vocabulary and
+    tokenizer): one that often agrees with the target."""
+    d = {**target.config.to_dict(), "n_layers": n_layers}
+    if max_seq_len is not None:
+        d["max_seq_len"] = max_seq_len
+    m = Transformer(ModelConfig.from_dict(d))
+    m.load_state_dict({k: v for k, v in target.state_dict().items()
+                       if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers})
+    m.tokenizer = target.tokenizer
+    return m
+
+
 @pytest.fixture
 def model():
     return tiny_model(seed=0, scale=5.0)

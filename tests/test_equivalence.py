@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import peaked_model
-from minispec import ModelConfig, SamplingParams, Transformer
+from conftest import peaked_model, truncated
+from minispec import SamplingParams, Transformer
 from minispec.equivalence import (DEFAULTS, ORDERS, EquivalenceInputError, analyse, holm, main, pit, plot_report,
                                   run_equivalence, target_pit, uniformity)
 from minispec.sampling import logits_to_probs
@@ -121,15 +121,6 @@ def test_uniformity_bins_keep_five_expected_per_bin():
 def random_model(seed: int, vocab: int = 32, dim: int = 32, n_layers: int = 3, logit_scale: float = 2.0) -> Transformer:
     """Peaked, context-dependent conditionals."""
     return peaked_model(seed, vocab, dim, n_layers, logit_scale)
-
-
-def truncated(target: Transformer, n_layers: int) -> Transformer:
-    """A draft made of the target's first n_layers, its embedding, final norm and head (same vocab, tokenizer)."""
-    m = Transformer(ModelConfig.from_dict({**target.config.to_dict(), "n_layers": n_layers}))
-    m.load_state_dict({k: v for k, v in target.state_dict().items()
-                       if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers})
-    m.tokenizer = target.tokenizer
-    return m
 
 
 @pytest.fixture(scope="module")

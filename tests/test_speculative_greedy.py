@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import peaked_model
-from minispec import ModelConfig, Transformer
+from conftest import peaked_model, truncated
+from minispec import Transformer
 from minispec.speculative import PromptLookupDrafter
 
 V = 16
@@ -24,18 +24,6 @@ def random_model(seed: int, dim: int = 32, n_layers: int = 3, logit_scale: float
                  vocab_size: int = V) -> Transformer:
     """Peaked, context-dependent conditionals: greedy paths that wander over the vocabulary."""
     return peaked_model(seed, vocab_size, dim, n_layers, logit_scale, max_seq_len)
-
-
-def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = None) -> Transformer:
-    """The target's first n_layers with its embedding, norm and head: a draft that often agrees."""
-    d = {**target.config.to_dict(), "n_layers": n_layers}
-    if max_seq_len is not None:
-        d["max_seq_len"] = max_seq_len
-    m = Transformer(ModelConfig.from_dict(d))
-    m.load_state_dict({k: v for k, v in target.state_dict().items()
-                       if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers})
-    m.tokenizer = target.tokenizer
-    return m
 
 
 @pytest.fixture(scope="module")

@@ -343,7 +343,7 @@ def spec_table(res: dict) -> str:
                  f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps "
                  f"(in brackets: without the lm_head): {vc}. Cost model: tokens per round predicted from the measured "
                  f"acceptance, over k draft steps plus that verify pass (greedy: the trunk, then the lm_head once per "
-                 f"committed token). Resident memory (peak / after the run): target alone "
+                 f"3 committed tokens). Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
