@@ -267,6 +267,22 @@ class SpeculativeStats:
         """Per draft position j+1: accepted / proposed (decays with j: a rejection ends the round)."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
+    @classmethod
+    def combined(cls, stats: "list[SpeculativeStats]") -> "SpeculativeStats":
+        """The stats of several runs as one: counts and times summed, per-position counts added, k's joined."""
+        out = cls()
+        for st in stats:
+            for name in ("rounds", "sequence_rounds", "drafted", "accepted", "committed", "draft_time_s",
+                         "verify_time_s"):
+                setattr(out, name, getattr(out, name) + getattr(st, name))
+            for mine, theirs in ((out.position_drafted, st.position_drafted),
+                                 (out.position_accepted, st.position_accepted)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for j, v in enumerate(theirs):
+                    mine[j] += v
+            out.k_chosen += st.k_chosen
+        return out
+
     def _count(self, n_drafted: int, n_accepted: int) -> None:
         while len(self.position_drafted) < n_drafted:
             self.position_drafted.append(0)

@@ -113,22 +113,10 @@ BENCH_PROMPTS = [  # chat prompts never used to train the draft (tools/distill_p
 
 
 def merge_stats(stats: list):
-    """One SpeculativeStats for several runs (counts and times summed, lists joined), or None for none."""
+    """One SpeculativeStats for several runs (SpeculativeStats.combined), or None when none of them speculated."""
     from minispec.speculative import SpeculativeStats
     stats = [st for st in stats if st is not None]
-    if not stats:
-        return None
-    out = SpeculativeStats()
-    for st in stats:
-        for name in ("rounds", "sequence_rounds", "drafted", "accepted", "committed", "draft_time_s", "verify_time_s"):
-            setattr(out, name, getattr(out, name) + getattr(st, name))
-        for name in ("position_drafted", "position_accepted"):
-            mine, theirs = getattr(out, name), getattr(st, name)
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for j, v in enumerate(theirs):
-                mine[j] += v
-        out.k_chosen += st.k_chosen
-    return out
+    return SpeculativeStats.combined(stats) if stats else None
 
 
 def chat_ids(model, text: str) -> list[int]:
@@ -149,7 +137,7 @@ def process_memory_mb(code: str) -> tuple[float, float]:
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
                quick: bool = False) -> dict:
-    from minispec.speculative import GREEDY_HEAD_CHUNK, expected_tokens
+    from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
@@ -234,7 +222,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             cache.truncate(s, len(prompts[0]))
         return statistics.median(times)
     # sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
-    # the lm_head over 3 positions at a time, as long as the drafts agree (minispec.speculative.greedy_verify)
+    # the lm_head over GREEDY_HEAD_CHUNK positions at a time, as long as the drafts agree (greedy_verify)
     verify_cost = {kk: step_time(target, kk + 1, 15) for kk in range(max(ks) + 1)}
     trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft)
@@ -314,7 +302,7 @@ def predicted_speedup(res: dict, row: dict) -> float | None:
         return None
     c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
     tokens = expected_tokens(a, k)
-    if row["temperature"] == 0:  # the lm_head runs once per 3 committed tokens (greedy_verify), ~1 step's head each
+    if row["temperature"] == 0:  # the lm_head runs once per GREEDY_HEAD_CHUNK committed tokens, ~1 step's head each
         head_calls = 1.0 + max(0.0, tokens - GREEDY_HEAD_CHUNK) / GREEDY_HEAD_CHUNK
         verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
     else:
@@ -323,6 +311,7 @@ def predicted_speedup(res: dict, row: dict) -> float | None:
 
 
 def spec_table(res: dict) -> str:
+    from minispec.speculative import GREEDY_HEAD_CHUNK
     res = {**res, **{key: {int(k): v for k, v in res[key].items()} for key in ("verify_cost", "trunk_cost")}}  # JSON keys
     base = {(r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"] if r["engine"] == "minispec target-only"}
     lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | acceptance "
@@ -343,7 +332,7 @@ def spec_table(res: dict) -> str:
                  f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps "
                  f"(in brackets: without the lm_head): {vc}. Cost model: tokens per round predicted from the measured "
                  f"acceptance, over k draft steps plus that verify pass (greedy: the trunk, then the lm_head once per "
-                 f"3 committed tokens). Resident memory (peak / after the run): target alone "
+                 f"{GREEDY_HEAD_CHUNK} committed tokens). Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
