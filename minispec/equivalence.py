@@ -50,7 +50,7 @@ import torch
 
 from .generate import normalize_prompts
 from .sampling import SamplingParams, logits_to_probs
-from .speculative import SAMPLERS, check_compatible
+from .speculative import SAMPLERS, AdaptiveK, check_compatible
 
 PROMPT_LOOKUP = "prompt-lookup"
 MIN_SAMPLES = 10
@@ -423,6 +423,16 @@ class EquivalenceInputError(ValueError):
     """Bad input to the harness, found before any sampling (the command line exits with status 2 on it)."""
 
 
+def _k_arg(v: str) -> "int | str":
+    """--k: an integer or "auto" (range checks come with the other inputs')."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {v!r}") from None
+
+
 def _check_int(name: str, v, lo: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise EquivalenceInputError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -436,7 +446,8 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
         _check_int("samples", samples, MIN_SAMPLES)
         _check_int("tokens", tokens, 1)
-        _check_int("k", k, 1)
+        if k != "auto" and not isinstance(k, AdaptiveK):
+            _check_int("k", k, 1)
         _check_int("seed", seed, 0)
         _check_int("bins", bins, 2)
         _check_int("batch_size", batch_size, 1)
@@ -464,7 +475,7 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
 
 
 def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], tokens: int = DEFAULTS["tokens"],
-                    k: int = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
+                    k: "int | str | AdaptiveK" = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
                     top_k: int | None = DEFAULTS["top_k"], top_p: float | None = DEFAULTS["top_p"], seed: int = 0,
                     sampler: str = "exact", alpha: float = DEFAULTS["alpha"], bins: int = DEFAULTS["bins"],
                     orders=ORDERS, reference: bool = True, batch_size: int = DEFAULTS["batch_size"],
@@ -474,7 +485,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     target: a Transformer; draft: a Transformer sharing its tokenizer and vocabulary, or "prompt-lookup".
     prompts: token ids, one prompt (list[int]) or several (list[list[int]]); `samples` continuations
     of `tokens` tokens are drawn per prompt, sample g (prompt-major) with the generator seeded seed + g.
-    temperature, top_k, top_p, k, sampler: passed to speculate ("exact" or a broken negative control).
+    temperature, top_k, top_p, k, sampler: passed to speculate (k an integer, "auto" or an AdaptiveK;
+    sampler "exact" or a broken negative control).
     alpha: the significance level of the verdict (Holm-corrected); bins: chi-square histogram bins;
     orders: the token orders the PIT runs in ("id", "prob"; all their tests join one Holm family).
     reference: also test target-only samples (the calibration reference).
@@ -488,7 +500,7 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     settings = {"target": names.get("target", "(model)"),
                 "draft": names.get("draft", draft if isinstance(draft, str) else "(model)"),
                 "prompts": len(batch), "prompt_lengths": [len(p) for p in batch], "samples": samples,
-                "tokens": tokens, "k": k, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                "tokens": tokens, "k": k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})", "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                 "sampler": sampler, "alpha": alpha, "bins": bins, "correction": "holm", "stop_tokens": "disabled",
                 "token_orders": list(orders), "batch_size": batch_size, "torch_threads": torch.get_num_threads()}
     notes = ["timings are wall-clock and include whatever else the machine runs; on a shared, loaded machine "
@@ -498,6 +510,9 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                      "is the raw softmax")
     if sampler == "unprocessed-q" and isinstance(draft, str):
         notes.append("unprocessed-q has no effect with prompt-lookup: its q is one-hot whatever the settings")
+    if sampler == "sampled-confidence" and (isinstance(k, int) or isinstance(draft, str)):
+        notes.append("sampled-confidence has no effect here: only k='auto' with a model draft stops drafts by "
+                     "confidence")
     t_start = time.perf_counter()
 
     if params.greedy:
@@ -634,7 +649,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, metavar="K", default=DEFAULTS["top_k"],
                    help=f"sample from the k most likely tokens; 0 = off (default {DEFAULTS['top_k']})")
     p.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling mass")
-    p.add_argument("--k", type=int, metavar="K", default=DEFAULTS["k"], help=f"draft tokens per round (default {DEFAULTS['k']})")
+    p.add_argument("--k", type=_k_arg, metavar="K", default=DEFAULTS["k"],
+                   help=f"draft tokens per round, or 'auto' (default {DEFAULTS['k']})")
     p.add_argument("--seed", type=int, metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", default="exact", metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")

@@ -37,7 +37,7 @@ from .sampling import SamplingParams, logits_to_probs, make_generators, sample_r
 
 # "exact" is the algorithm; the others are deliberately wrong, kept as negative
 # controls that the statistical tests and the equivalence harness must reject.
-SAMPLERS = ("exact", "no-residual", "always-accept", "unprocessed-q")
+SAMPLERS = ("exact", "no-residual", "always-accept", "unprocessed-q", "sampled-confidence")
 
 
 # ---------------------------------------------------------------------------
@@ -141,20 +141,54 @@ class AdaptiveK:
     `cost_ratio` (draft step / plain decode step, with verify costs taken as
     equal for every k) to fix the costs and make it deterministic:
     `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
+
+    Token by token (confidence_stop, the default, for a model draft): the k above
+    only decides whether to speculate at all, and a speculating round may draft
+    up to k_max tokens, stopping at the first that does not pay. Before proposing
+    its j-th token the draft has its distribution there; its confidence (the
+    largest probability, known before the token is drawn) maps to an acceptance
+    probability through a running calibration (accepted / proposed per confidence
+    bin, starting from the confidence itself). The chance that drafts 1..j are
+    all accepted is the product of those, and it is the j-th draft's expected
+    gain in tokens; its cost is one more draft step plus what the verify pass
+    gains from j-1 to j drafts. It is proposed if its tokens per second are at
+    least the rate measured so far. This is the trade-off of the formula above
+    (with the same a at every position the gains sum to it), made per token: a
+    confident draft runs on, an unsure one stops before the verify pass pays for
+    a likely rejection. It stays exact because the decision uses only the draft's
+    distribution, never the token drawn from it: a proposed token is still a
+    draw from q. (Stopping on the drawn token's own probability would not be:
+    it changes the law of the tokens proposed; the "sampled-confidence" sampler
+    does that, as a negative control.)
     """
 
+    CONF_BINS = 10  # calibration bins over the draft's confidence [0, 1]
+    CONF_DECAY = 0.98  # per observation in a bin: each bin follows its last ~50 drafts
+    RATE_DECAY = 0.99  # per round, for the rate: about the last 100 rounds
+
     def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 2,
-                 cost_ratio: float | None = None):
+                 cost_ratio: float | None = None, confidence_stop: bool = True):
         if not (isinstance(k_max, int) and k_max >= 1):
             raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
         if cost_ratio is not None and not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
         self.k_start = min(k_start, k_max)
+        self.confidence_stop = confidence_stop
         self.successes = self.failures = 0.0
         self.draft_step_s: float | None = None
         self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
+        self.rate: float | None = None  # committed tokens per second (decayed sums over all rounds)
+        self._tokens: float | None = None
+        self._seconds: float | None = None
         self.plain_rounds = 0
+        # per confidence bin: decayed accepted / proposed drafts; the prior, two drafts at the bin's centre,
+        # takes the draft's confidence at its word until its own record says otherwise
+        self.bin_hits = [2.0 * (b + 0.5) / self.CONF_BINS for b in range(self.CONF_BINS)]
+        self.bin_tries = [2.0] * self.CONF_BINS
+        self._probing = False
+        self._chance: dict[int, float] = {}  # row -> P(this round's drafts so far are all accepted)
+        self._confs: dict[int, list[float]] = {}  # row -> the confidence of each draft proposed this round
 
     @property
     def acceptance(self) -> float:
@@ -179,7 +213,10 @@ class AdaptiveK:
         w = (k - lo) / (hi - lo)
         return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
 
-    def choose(self) -> int:
+    def choose(self, token_by_token: bool = True) -> int:
+        """This round's k; with confidence_stop and a drafter that can stop token by token (token_by_token),
+        k_max for a speculating round, which keep_going then cuts short."""
+        self._probing = False
         if self.successes + self.failures == 0:
             return self.k_start
         if self.cost_ratio is not None:
@@ -193,11 +230,45 @@ class AdaptiveK:
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds % self.probe_every == 0:
+                self._probing = True  # a probe drafts its one token whatever the confidence: it measures
                 return 1
-        return k
+            return 0
+        return self.k_max if self.confidence_stop and token_by_token else k
 
-    def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int, verify_s: float) -> None:
-        """One round's outcome: per sequence drafts and acceptances; wall times of drafting and verifying."""
+    def calibrated(self, confidence: float) -> float:
+        """The acceptance probability of a draft proposed at this confidence, from the running calibration."""
+        b = min(max(int(confidence * self.CONF_BINS), 0), self.CONF_BINS - 1)
+        return self.bin_hits[b] / self.bin_tries[b]
+
+    def price(self, j: int) -> float | None:
+        """The least chance of acceptance that pays for a (j+1)-th draft this round, or None while unmeasured:
+        the rate so far times the draft's extra cost (a draft step, and the verify pass's growth from j to j+1)."""
+        if self.cost_ratio is not None:  # fixed costs, in plain decode steps; the rate from the formula's best k
+            a, c = self.acceptance, self.cost_ratio
+            k = best_k(a, c, self.k_max)
+            return expected_tokens(a, k) / (1 + k * c) * c
+        if self.rate is None or self.draft_step_s is None or not self.verify_s:
+            return None
+        return self.rate * (self.draft_step_s + max(0.0, self.verify_cost(j + 1) - self.verify_cost(j)))
+
+    def keep_going(self, row: int, j: int, confidence: float) -> bool:
+        """Whether `row`'s draft proposes its (j+1)-th token this round (j = drafts already proposed),
+        given its confidence there: the largest probability of the distribution it would draw from."""
+        if j == 0:
+            self._chance[row], self._confs[row] = 1.0, []
+        chance = self._chance[row] * self.calibrated(confidence)
+        price = None if self._probing else self.price(j)
+        if price is not None and chance < price:
+            return False
+        self._chance[row] = chance
+        self._confs[row].append(confidence)
+        return True
+
+    def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int, verify_s: float,
+               rows: list[int] | None = None, committed: int | None = None) -> None:
+        """One round's outcome: per sequence drafts and acceptances; wall times of drafting and verifying;
+        rows: the sequences, in the same order (to calibrate the confidences keep_going saw); committed:
+        the tokens the round committed (for the rate)."""
         d = self.decay
         self.successes = d * self.successes + sum(accepted)
         self.failures = d * self.failures + sum(n < k for n, k in zip(accepted, drafted))
@@ -206,6 +277,21 @@ class AdaptiveK:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
         k = max(drafted, default=0)
         self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
+        if committed is not None:
+            # the long-run rate (a marginal draft pays if it beats that, not the last few rounds' luck), as the
+            # ratio of decayed sums: a decayed mean of per-round ratios runs high
+            slow = lambda old, new: new if old is None else self.RATE_DECAY * old + new  # noqa: E731
+            self._tokens = slow(self._tokens, float(committed))
+            self._seconds = slow(self._seconds, draft_s + verify_s)
+            self.rate = self._tokens / self._seconds if self._seconds > 0 else None
+        # each draft up to the first rejection is an outcome at its confidence (later ones were never judged)
+        for r, n, kk in zip(rows or [], accepted, drafted):
+            for j, conf in enumerate(self._confs.get(r, [])[:min(n + 1, kk)]):
+                b = min(max(int(conf * self.CONF_BINS), 0), self.CONF_BINS - 1)
+                self.bin_hits[b] = self.CONF_DECAY * self.bin_hits[b] + (j < n)
+                self.bin_tries[b] = self.CONF_DECAY * self.bin_tries[b] + 1.0
+        self._chance.clear()
+        self._confs.clear()
 
 
 # k="auto" carries its estimator from call to call: target -> {(draft, sampling settings, batch size): (draft
@@ -250,7 +336,7 @@ class SpeculativeStats:
     position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted
     draft_time_s: float = 0.0  # wall time spent drafting
     verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
-    k_chosen: list[int] = field(default_factory=list)  # the k asked for in each round (varies with k="auto")
+    k_chosen: list[int] = field(default_factory=list)  # each round's k (k="auto": chosen; token by token: drafted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -386,7 +472,12 @@ class Drafter:
         gens[row] is the row's generator (a drafter that samples must draw only from it).
     commit(row, tokens): the round committed these tokens to the row.
     finish(row, keep): the row is done; release it unless keep.
+    A drafter with stops_early = True takes propose(..., keep_going=f) too: before its j-th token of a
+    row (j = 0, 1, ...) it calls f(row, j, confidence) with the largest probability of the distribution
+    it is about to draw from, and stops that row's draft when f says no (k="auto" uses this).
     """
+
+    stops_early = False
 
     def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
         raise NotImplementedError
@@ -407,11 +498,17 @@ class ModelDrafter(Drafter):
     unprocessed_q=True is the "unprocessed-q" negative control: tokens are still
     sampled from the processed distribution, but the q reported to the
     acceptance step is the raw softmax (temperature 1, no top-k / top-p).
+    sampled_confidence=True is the "sampled-confidence" one: keep_going is asked
+    after the token is drawn, with that token's own probability, so which
+    tokens get proposed depends on the draw (their law is no longer q).
     """
 
-    def __init__(self, model, unprocessed_q: bool = False):
+    stops_early = True
+
+    def __init__(self, model, unprocessed_q: bool = False, sampled_confidence: bool = False):
         self.model = model
         self.unprocessed_q = unprocessed_q
+        self.sampled_confidence = sampled_confidence
         self.rows: CachedRows | None = None
 
     def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
@@ -421,26 +518,45 @@ class ModelDrafter(Drafter):
         fits = {r: p for r, p in prompts.items() if len(p) <= self.max_len}
         self.rows = CachedRows(self.model, fits, budgets, block_size)
 
-    def propose(self, rows, ks, contexts, gens):
+    def propose(self, rows, ks, contexts, gens, keep_going=None):
         tokens = {r: [] for r in rows}
         qs = {r: [] for r in rows}
         # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
         ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
+        one_hot_q = self.params.greedy and not self.unprocessed_q  # q is one-hot on the argmax: not built per step
+        self.steps = 0  # draft forward passes this call (a row stopped by keep_going cost one more than it drafted)
         for j in range(max(ks.values(), default=0)):
             live = [r for r in rows if ks[r] > j]
+            if not live:
+                break
+            self.steps += 1
             logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
-            if self.params.greedy and not self.unprocessed_q:  # q is one-hot on the argmax: skip building it per step
+            probs = None if one_hot_q else logits_to_probs(logits, self.params).double().cpu()  # (B, V)
+            if keep_going is not None and not self.sampled_confidence:
+                # the confidence comes from the distribution, before anything is drawn from it (greedy: the
+                # draft's own softmax, since its processed q is one-hot)
+                conf = (logits.float().softmax(-1) if one_hot_q else probs).max(-1).values.tolist()
+                for r, c in zip(live, conf):
+                    if not keep_going(r, j, c):
+                        ks[r] = j  # this row's draft ends here: its j tokens so far are the proposal
+                keep = [b for b, r in enumerate(live) if ks[r] > j]
+                live = [live[b] for b in keep]
+                logits = logits[keep]
+                probs = None if probs is None else probs[keep]
+            if one_hot_q:
                 for r, d in zip(live, logits.argmax(-1).tolist()):
                     tokens[r].append(d)
                 continue
-            probs = logits_to_probs(logits, self.params).double().cpu()  # (B, V)
-            u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live])
+            u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live]) if live else None
             reported = logits.float().softmax(-1).double().cpu() if self.unprocessed_q else probs
-            for b, (r, d) in enumerate(zip(live, sample_rows(probs, u))):
+            for b, (r, d) in enumerate(zip(live, sample_rows(probs, u) if live else [])):
+                if keep_going is not None and self.sampled_confidence and not keep_going(r, j, float(probs[b, d])):
+                    ks[r] = j  # the negative control: the drawn token decided whether it is proposed
+                    continue
                 tokens[r].append(d)
                 qs[r].append(reported[b])
         V = self.model.config.vocab_size
-        if self.params.greedy and not self.unprocessed_q:
+        if one_hot_q:
             return [tokens[r] for r in rows], [one_hot(tokens[r], V) for r in rows]
         return ([tokens[r] for r in rows],
                 [torch.stack(qs[r]) if qs[r] else torch.zeros(0, V, dtype=torch.float64) for r in rows])
@@ -519,7 +635,7 @@ def make_drafter(target, draft, sampler: str) -> Drafter:
     if not (hasattr(draft, "step") and hasattr(draft, "config")):
         raise ValueError(f"draft must be a Transformer, 'prompt-lookup' or a Drafter, got {type(draft).__name__}")
     check_compatible(target, draft)
-    return ModelDrafter(draft, unprocessed_q=sampler == "unprocessed-q")
+    return ModelDrafter(draft, unprocessed_q=sampler == "unprocessed-q", sampled_confidence=sampler == "sampled-confidence")
 
 
 # ---------------------------------------------------------------------------
@@ -606,11 +722,15 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
-        kr = adaptive.choose() if adaptive else k
+        per_token = adaptive is not None and adaptive.confidence_stop and drafter.stops_early
+        kr = adaptive.choose(token_by_token=per_token) if adaptive else k
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
         t0 = time.perf_counter()
-        drafts, qs = drafter.propose(active, ks, contexts, gens)
+        if per_token:
+            drafts, qs = drafter.propose(active, ks, contexts, gens, keep_going=adaptive.keep_going)
+        else:
+            drafts, qs = drafter.propose(active, ks, contexts, gens)
         t1 = time.perf_counter()
         for b, i in enumerate(active):
             if len(drafts[b]) > max(ks[b], 0):
@@ -630,7 +750,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
             t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
             probs = logits_to_probs(target.logits(h[b_idx, t_idx]).float(), params).double().cpu()  # (sum k_b + 1, V)
-        still, start, n_accepted = [], 0, []
+        still, start, n_accepted, round_committed = [], 0, [], 0
         for b, i in enumerate(active):
             kb = len(drafts[b])
             if greedy:
@@ -649,6 +769,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             out[i] += new
             contexts[i] += new
             stats.committed += len(new)
+            round_committed += len(new)
             if on_tokens is not None:
                 on_tokens(i, new)
             tgt.commit(i, new)
@@ -661,10 +782,12 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
                 still.append(i)
         t2 = time.perf_counter()
         if adaptive is not None:
-            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, max(map(len, drafts)), t2 - t1)
+            steps = drafter.steps if per_token else max(map(len, drafts))
+            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, steps, t2 - t1,
+                            rows=active, committed=round_committed)
         active = still
         stats.rounds += 1
-        stats.k_chosen.append(kr)
+        stats.k_chosen.append(max(map(len, drafts)) if per_token else kr)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
     caches = (tgt, getattr(drafter, "rows", None)) if keep_caches else None

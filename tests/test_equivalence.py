@@ -23,6 +23,7 @@ from minispec import SamplingParams, Transformer
 from minispec.equivalence import (DEFAULTS, ORDERS, EquivalenceInputError, analyse, holm, main, pit, plot_report,
                                   run_equivalence, target_pit, uniformity)
 from minispec.sampling import logits_to_probs
+from minispec.speculative import AdaptiveK
 
 BROKEN = ("no-residual", "always-accept", "unprocessed-q")
 PROMPT = [1, 5, 2, 7, 3]
@@ -162,6 +163,21 @@ def test_broken_samplers_fail_at_the_default_sample_size(pair, sampler):
     assert not r.passed, r.format()
     assert r.speculative.min_adjusted < 1e-6, f"{sampler}: only p_holm = {r.speculative.min_adjusted:.3g}"
     assert "verdict: FAILED" in r.format()
+
+
+def test_token_by_token_auto_k(pair):
+    """k="auto"'s confidence stop (here an AdaptiveK with fixed costs, so the run is deterministic) is exact;
+    stopping on the drawn token's own probability is caught (p_holm 1e-46; exact 0.98)."""
+    target, draft = pair
+    kw = dict(tokens=4, reference=False)
+    ok = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), **kw)
+    assert ok.passed and ok.speculation["drafted"] > 0 and ok.settings["k"] == "AdaptiveK(k_max=4)", ok.format()
+    bad = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), sampler="sampled-confidence",
+                          **kw)
+    assert not bad.passed and bad.speculative.min_adjusted < 1e-6, bad.format()
+    plain = run_equivalence(target, draft, PROMPT, samples=20, tokens=2, k=2, sampler="sampled-confidence",
+                            reference=False)
+    assert any("sampled-confidence has no effect" in n for n in plain.notes)
 
 
 def _without_speed(d: dict) -> dict:
