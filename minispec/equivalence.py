@@ -510,9 +510,9 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                      "is the raw softmax")
     if sampler == "unprocessed-q" and isinstance(draft, str):
         notes.append("unprocessed-q has no effect with prompt-lookup: its q is one-hot whatever the settings")
-    if sampler == "sampled-confidence" and (isinstance(k, int) or isinstance(draft, str)):
-        notes.append("sampled-confidence has no effect here: only k='auto' with a model draft stops drafts by "
-                     "confidence")
+    if sampler == "sampled-confidence" and (not (isinstance(k, AdaptiveK) and k.confidence_stop) or isinstance(draft, str)):
+        notes.append("sampled-confidence has no effect here: sampled drafts stop by confidence only with a model "
+                     "draft and k=AdaptiveK(confidence_stop=True)")
     t_start = time.perf_counter()
 
     if params.greedy:

@@ -142,7 +142,7 @@ class AdaptiveK:
     equal for every k) to fix the costs and make it deterministic:
     `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
 
-    Token by token (confidence_stop, the default, for a model draft): the k above
+    Token by token (confidence_stop; by default at temperature 0 only, for a model draft): the k above
     only decides whether to speculate at all, and a speculating round may draft
     up to k_max tokens, stopping at the first that does not pay. Before proposing
     its j-th token the draft has its distribution there; its confidence (the
@@ -160,6 +160,11 @@ class AdaptiveK:
     draw from q. (Stopping on the drawn token's own probability would not be:
     it changes the law of the tokens proposed; the "sampled-confidence" sampler
     does that, as a negative control.)
+    Why greedy only by default: with SmolLM2-135M and its distilled draft, greedy
+    decoding gains 7-14% over one k per round, but at T=0.7 it loses about as much:
+    there the draft's largest probability says little about whether its sampled
+    token is accepted (the calibration is nearly flat from 0.4 to 0.9), so the rule
+    drops drafts that would have paid. Pass confidence_stop=True (or False) to choose.
     """
 
     CONF_BINS = 10  # calibration bins over the draft's confidence [0, 1]
@@ -167,14 +172,14 @@ class AdaptiveK:
     RATE_DECAY = 0.99  # per round, for the rate: about the last 100 rounds
 
     def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 2,
-                 cost_ratio: float | None = None, confidence_stop: bool = True):
+                 cost_ratio: float | None = None, confidence_stop: bool | None = None):
         if not (isinstance(k_max, int) and k_max >= 1):
             raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
         if cost_ratio is not None and not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
         self.k_start = min(k_start, k_max)
-        self.confidence_stop = confidence_stop
+        self.confidence_stop = confidence_stop  # None: at temperature 0 only (see above)
         self.successes = self.failures = 0.0
         self.draft_step_s: float | None = None
         self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
@@ -213,10 +218,16 @@ class AdaptiveK:
         w = (k - lo) / (hi - lo)
         return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
 
-    def choose(self, token_by_token: bool = True) -> int:
-        """This round's k; with confidence_stop and a drafter that can stop token by token (token_by_token),
-        k_max for a speculating round, which keep_going then cuts short."""
+    def token_by_token(self, greedy: bool) -> bool:
+        """Whether rounds stop drafts by confidence, for greedy or sampled decoding."""
+        return greedy if self.confidence_stop is None else self.confidence_stop
+
+    def choose(self, token_by_token: bool = False) -> int:
+        """This round's k; for a round drafted token by token (the drafter stops each draft by keep_going),
+        k_max whenever speculating pays, for keep_going to cut short."""
         self._probing = False
+        self._chance.clear()
+        self._confs.clear()
         if self.successes + self.failures == 0:
             return self.k_start
         if self.cost_ratio is not None:
@@ -233,11 +244,14 @@ class AdaptiveK:
                 self._probing = True  # a probe drafts its one token whatever the confidence: it measures
                 return 1
             return 0
-        return self.k_max if self.confidence_stop and token_by_token else k
+        return self.k_max if token_by_token else k
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.CONF_BINS), 0), self.CONF_BINS - 1)
 
     def calibrated(self, confidence: float) -> float:
         """The acceptance probability of a draft proposed at this confidence, from the running calibration."""
-        b = min(max(int(confidence * self.CONF_BINS), 0), self.CONF_BINS - 1)
+        b = self._bin(confidence)
         return self.bin_hits[b] / self.bin_tries[b]
 
     def price(self, j: int) -> float | None:
@@ -251,17 +265,20 @@ class AdaptiveK:
             return None
         return self.rate * (self.draft_step_s + max(0.0, self.verify_cost(j + 1) - self.verify_cost(j)))
 
-    def keep_going(self, row: int, j: int, confidence: float) -> bool:
+    def keep_going(self, row: int, j: int, confidence: float | None = None) -> bool:
         """Whether `row`'s draft proposes its (j+1)-th token this round (j = drafts already proposed),
-        given its confidence there: the largest probability of the distribution it would draw from."""
-        if j == 0:
-            self._chance[row], self._confs[row] = 1.0, []
-        chance = self._chance[row] * self.calibrated(confidence)
+        given its confidence there: the largest probability of the distribution it would draw from.
+        With confidence None, asked before the draft step that would give it: whether even the most
+        trusted confidence bin could make that token pay (if not, the step is not worth running)."""
         price = None if self._probing else self.price(j)
+        chance = self._chance.get(row, 1.0)
+        if confidence is None:
+            return price is None or chance * max(h / t for h, t in zip(self.bin_hits, self.bin_tries)) >= price
+        chance *= self.calibrated(confidence)
         if price is not None and chance < price:
             return False
         self._chance[row] = chance
-        self._confs[row].append(confidence)
+        self._confs.setdefault(row, []).append(confidence)
         return True
 
     def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int, verify_s: float,
@@ -287,7 +304,7 @@ class AdaptiveK:
         # each draft up to the first rejection is an outcome at its confidence (later ones were never judged)
         for r, n, kk in zip(rows or [], accepted, drafted):
             for j, conf in enumerate(self._confs.get(r, [])[:min(n + 1, kk)]):
-                b = min(max(int(conf * self.CONF_BINS), 0), self.CONF_BINS - 1)
+                b = self._bin(conf)
                 self.bin_hits[b] = self.CONF_DECAY * self.bin_hits[b] + (j < n)
                 self.bin_tries[b] = self.CONF_DECAY * self.bin_tries[b] + 1.0
         self._chance.clear()
@@ -474,7 +491,8 @@ class Drafter:
     finish(row, keep): the row is done; release it unless keep.
     A drafter with stops_early = True takes propose(..., keep_going=f) too: before its j-th token of a
     row (j = 0, 1, ...) it calls f(row, j, confidence) with the largest probability of the distribution
-    it is about to draw from, and stops that row's draft when f says no (k="auto" uses this).
+    it is about to draw from, and stops that row's draft when f says no (k="auto" uses this); before
+    the step that computes that distribution it may ask f(row, j) whether the step is worth running.
     """
 
     stops_early = False
@@ -526,6 +544,10 @@ class ModelDrafter(Drafter):
         one_hot_q = self.params.greedy and not self.unprocessed_q  # q is one-hot on the argmax: not built per step
         self.steps = 0  # draft forward passes this call (a row stopped by keep_going cost one more than it drafted)
         for j in range(max(ks.values(), default=0)):
+            if keep_going is not None and j > 0:  # is the next draft step worth running at all?
+                for r in rows:
+                    if ks[r] > j and not keep_going(r, j):
+                        ks[r] = j
             live = [r for r in rows if ks[r] > j]
             if not live:
                 break
@@ -722,7 +744,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
-        per_token = adaptive is not None and adaptive.confidence_stop and drafter.stops_early
+        per_token = adaptive is not None and drafter.stops_early and adaptive.token_by_token(params.greedy)
         kr = adaptive.choose(token_by_token=per_token) if adaptive else k
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]

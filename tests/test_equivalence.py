@@ -166,13 +166,13 @@ def test_broken_samplers_fail_at_the_default_sample_size(pair, sampler):
 
 
 def test_token_by_token_auto_k(pair):
-    """k="auto"'s confidence stop (here an AdaptiveK with fixed costs, so the run is deterministic) is exact;
+    """k="auto"'s confidence stop (here forced on at T=0.7, with fixed costs so the run is deterministic) is exact;
     stopping on the drawn token's own probability is caught (p_holm 1e-46; exact 0.98)."""
     target, draft = pair
     kw = dict(tokens=4, reference=False)
-    ok = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), **kw)
+    ok = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3, confidence_stop=True), **kw)
     assert ok.passed and ok.speculation["drafted"] > 0 and ok.settings["k"] == "AdaptiveK(k_max=4)", ok.format()
-    bad = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), sampler="sampled-confidence",
+    bad = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3, confidence_stop=True), sampler="sampled-confidence",
                           **kw)
     assert not bad.passed and bad.speculative.min_adjusted < 1e-6, bad.format()
     plain = run_equivalence(target, draft, PROMPT, samples=20, tokens=2, k=2, sampler="sampled-confidence",

@@ -249,15 +249,28 @@ def test_confidence_stop_cuts_a_round_where_the_chance_falls_below_the_price():
     assert ak.calibrated(0.25) == pytest.approx(0.25)
 
 
+def test_confidence_stop_skips_a_draft_step_that_cannot_pay():
+    ak = AdaptiveK(k_max=8, cost_ratio=0.5)
+    ak.successes, ak.failures = 1.0, 1.0  # a = 0.5: plain decoding is as good as k = 1, so the price is 0.5
+    assert ak.price(1) == pytest.approx(0.5)
+    assert ak.keep_going(2, 0) and ak.keep_going(2, 0, 0.55)  # a first draft at 0.55 pays
+    assert ak.keep_going(2, 1)  # a second could still pay if the draft were sure of it (0.55 x 0.95 >= 0.5) ...
+    ak.bin_hits[9] = 0.6 * ak.bin_tries[9]  # ... but once the surest bin proves right only 60% of the time,
+    assert not ak.keep_going(2, 1)  # the best a second draft can reach is 0.55 x 0.85: not worth its step
+
+
 def test_confidence_stop_rounds_and_probes():
     ak = AdaptiveK(k_max=6, probe_every=2, cost_ratio=0.5)
     ak.failures = 10.0  # nothing is accepted: plain decoding
     assert ak.choose() == 0 and ak.choose() == 1  # the probe ...
     assert ak.keep_going(0, 0, 0.0)  # ... drafts its token whatever the confidence: it is there to measure
     ak.successes, ak.failures = 9.0, 1.0
-    assert ak.choose() == 6  # speculating: up to k_max, cut token by token ...
-    assert ak.choose(token_by_token=False) == best_k(0.9, 0.5, 6)  # ... unless the drafter cannot stop early
-    assert AdaptiveK(k_max=6, cost_ratio=0.5, confidence_stop=False).choose() == AdaptiveK().k_start
+    assert ak.choose(token_by_token=True) == 6  # speculating: up to k_max, cut token by token ...
+    assert ak.choose() == best_k(0.9, 0.5, 6)  # ... or the formula's k for a whole round
+    # token by token: greedy only by default (at T=0.7 the draft's confidence predicts acceptance poorly)
+    assert AdaptiveK().token_by_token(greedy=True) and not AdaptiveK().token_by_token(greedy=False)
+    assert AdaptiveK(confidence_stop=True).token_by_token(greedy=False)
+    assert not AdaptiveK(confidence_stop=False).token_by_token(greedy=True)
 
 
 def test_confidence_stop_keeps_greedy_exact_and_stops_drafts():

@@ -137,7 +137,7 @@ def process_memory_mb(code: str) -> tuple[float, float]:
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
                quick: bool = False) -> dict:
-    from minispec.speculative import expected_tokens
+    from minispec.speculative import AdaptiveK, expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
@@ -203,8 +203,12 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
     for k in (*ks, "auto"):
         measure("minispec speculate", spec(draft, k, 0.0), k=k)
+    # k="auto" without the token-by-token confidence stop (one k per round), beside it for comparison
+    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=False), 0.0), k="auto/round")
     for k in ((2, 4, "auto") if quick else (*ks, "auto")):
         measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
+    # and at T=0.7, where k="auto" keeps one k per round, the token-by-token stop forced on
+    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=True), 0.7), k="auto/token", temperature=0.7)
     for k in (4, "auto"):
         measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
 
@@ -320,7 +324,7 @@ def spec_table(res: dict) -> str:
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in res["rows"]:
         ref = base.get((r["batch"], r["temperature"]))
-        k = r["k"] if r["k"] != "auto" or r.get("mean_k") is None else f"auto ({r['mean_k']:.1f})"
+        k = r["k"] if not str(r["k"]).startswith("auto") or r.get("mean_k") is None else f"{r['k']} ({r['mean_k']:.1f})"
         model = predicted_speedup(res, r)
         lines.append(f"| {r['engine']} | {r['batch']} | {'' if k is None else k} | {r['temperature']} | {r['tok_s']:.1f} | "
                      f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(model, '.2f')}{'x' if model else ''} | "
