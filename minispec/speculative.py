@@ -142,7 +142,7 @@ class AdaptiveK:
     equal for every k) to fix the costs and make it deterministic:
     `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
 
-    Token by token (confidence_stop; by default at temperature 0 only, for a model draft): the k above
+    Token by token (confidence_stop=True, for a model draft; off by default): the k above
     only decides whether to speculate at all, and a speculating round may draft
     up to k_max tokens, stopping at the first that does not pay. Before proposing
     its j-th token the draft has its distribution there; its confidence (the
@@ -160,11 +160,13 @@ class AdaptiveK:
     draw from q. (Stopping on the drawn token's own probability would not be:
     it changes the law of the tokens proposed; the "sampled-confidence" sampler
     does that, as a negative control.)
-    Why greedy only by default: with SmolLM2-135M and its distilled draft, greedy
-    decoding gains 7-14% over one k per round, but at T=0.7 it loses about as much:
-    there the draft's largest probability says little about whether its sampled
-    token is accepted (the calibration is nearly flat from 0.4 to 0.9), so the rule
-    drops drafts that would have paid. Pass confidence_stop=True (or False) to choose.
+    Why it is off by default: with SmolLM2-135M and its distilled draft on a 2-core
+    CPU it does not pay. Paired with one k per round, prompt by prompt, greedy runs at
+    0.97x (median of 24 pairs; a fixed price of 0.2 instead of the measured one: 0.96x),
+    and T=0.7 at 0.87-0.90x, where the draft's largest probability says little about
+    whether its sampled token is accepted (the calibration is nearly flat from 0.4 to
+    0.9). Replaying teacher-forced drafts through the cost model had predicted +9%
+    greedy; the gap is not explained yet.
     """
 
     CONF_BINS = 10  # calibration bins over the draft's confidence [0, 1]
@@ -172,14 +174,14 @@ class AdaptiveK:
     RATE_DECAY = 0.99  # per round, for the rate: about the last 100 rounds
 
     def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 2,
-                 cost_ratio: float | None = None, confidence_stop: bool | None = None):
+                 cost_ratio: float | None = None, confidence_stop: bool = False):
         if not (isinstance(k_max, int) and k_max >= 1):
             raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
         if cost_ratio is not None and not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
         self.k_start = min(k_start, k_max)
-        self.confidence_stop = confidence_stop  # None: at temperature 0 only (see above)
+        self.confidence_stop = confidence_stop
         self.successes = self.failures = 0.0
         self.draft_step_s: float | None = None
         self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
@@ -217,10 +219,6 @@ class AdaptiveK:
             return self.verify_s[hi]
         w = (k - lo) / (hi - lo)
         return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
-
-    def token_by_token(self, greedy: bool) -> bool:
-        """Whether rounds stop drafts by confidence, for greedy or sampled decoding."""
-        return greedy if self.confidence_stop is None else self.confidence_stop
 
     def choose(self, token_by_token: bool = False) -> int:
         """This round's k; for a round drafted token by token (the drafter stops each draft by keep_going),
@@ -744,7 +742,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
-        per_token = adaptive is not None and drafter.stops_early and adaptive.token_by_token(params.greedy)
+        per_token = adaptive is not None and adaptive.confidence_stop and drafter.stops_early
         kr = adaptive.choose(token_by_token=per_token) if adaptive else k
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]

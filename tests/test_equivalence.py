@@ -166,7 +166,7 @@ def test_broken_samplers_fail_at_the_default_sample_size(pair, sampler):
 
 
 def test_token_by_token_auto_k(pair):
-    """k="auto"'s confidence stop (here forced on at T=0.7, with fixed costs so the run is deterministic) is exact;
+    """AdaptiveK's confidence stop (with fixed costs, so the run is deterministic) is exact;
     stopping on the drawn token's own probability is caught (p_holm 1e-46; exact 0.98)."""
     target, draft = pair
     kw = dict(tokens=4, reference=False)

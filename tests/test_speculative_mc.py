@@ -106,7 +106,7 @@ def run(models, draft, k, temperature, top_k=None, top_p=None, sampler="exact", 
     drafter = models[draft] if draft in models else draft
     if k == "adaptive":  # fixed costs, so the k's chosen (and the test) are deterministic; k per round
         k = AdaptiveK(k_max=3, cost_ratio=0.1, k_start=1, confidence_stop=False)
-    elif k == "token-by-token":  # drafts stopped by confidence (k="auto"'s default when greedy), from round 1
+    elif k == "token-by-token":  # drafts stopped by the draft's confidence, from the first round (k_start 2)
         k = AdaptiveK(k_max=3, cost_ratio=0.3, k_start=2, confidence_stop=True)
     res = target.speculate(drafter, [prompt] * n, k=k, max_new_tokens=n_new, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, stop_tokens=list(stops), sampler=sampler)

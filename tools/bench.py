@@ -203,11 +203,10 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
     for k in (*ks, "auto"):
         measure("minispec speculate", spec(draft, k, 0.0), k=k)
-    # k="auto" without the token-by-token confidence stop (one k per round), beside it for comparison
-    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=False), 0.0), k="auto/round")
+    # k="auto" with drafts stopped token by token by the draft's confidence (AdaptiveK(confidence_stop=True))
+    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=True), 0.0), k="auto/token")
     for k in ((2, 4, "auto") if quick else (*ks, "auto")):
         measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
-    # and at T=0.7, where k="auto" keeps one k per round, the token-by-token stop forced on
     measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=True), 0.7), k="auto/token", temperature=0.7)
     for k in (4, "auto"):
         measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
