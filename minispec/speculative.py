@@ -165,8 +165,9 @@ class AdaptiveK:
     0.97x (median of 24 pairs; a fixed price of 0.2 instead of the measured one: 0.96x),
     and T=0.7 at 0.87-0.90x, where the draft's largest probability says little about
     whether its sampled token is accepted (the calibration is nearly flat from 0.4 to
-    0.9). Replaying teacher-forced drafts through the cost model had predicted +9%
-    greedy; the gap is not explained yet.
+    0.9). On this CPU a verify pass over 1-3 tokens costs about the same, so proposing
+    fewer tokens for as many committed saves little, and a draft that stops has still
+    paid for the step that told it to (the README's benchmark section has the figures).
     """
 
     CONF_BINS = 10  # calibration bins over the draft's confidence [0, 1]
