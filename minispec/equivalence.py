@@ -500,7 +500,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     settings = {"target": names.get("target", "(model)"),
                 "draft": names.get("draft", draft if isinstance(draft, str) else "(model)"),
                 "prompts": len(batch), "prompt_lengths": [len(p) for p in batch], "samples": samples,
-                "tokens": tokens, "k": k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})", "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                "tokens": tokens, "k": k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})",
+                "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                 "sampler": sampler, "alpha": alpha, "bins": bins, "correction": "holm", "stop_tokens": "disabled",
                 "token_orders": list(orders), "batch_size": batch_size, "torch_threads": torch.get_num_threads()}
     notes = ["timings are wall-clock and include whatever else the machine runs; on a shared, loaded machine "
@@ -510,7 +511,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                      "is the raw softmax")
     if sampler == "unprocessed-q" and isinstance(draft, str):
         notes.append("unprocessed-q has no effect with prompt-lookup: its q is one-hot whatever the settings")
-    if sampler == "sampled-confidence" and (not (isinstance(k, AdaptiveK) and k.confidence_stop) or isinstance(draft, str)):
+    stops_by_confidence = isinstance(k, AdaptiveK) and k.confidence_stop and not isinstance(draft, str)
+    if sampler == "sampled-confidence" and not stops_by_confidence:
         notes.append("sampled-confidence has no effect here: sampled drafts stop by confidence only with a model "
                      "draft and k=AdaptiveK(confidence_stop=True)")
     t_start = time.perf_counter()

@@ -490,8 +490,9 @@ class Drafter:
     finish(row, keep): the row is done; release it unless keep.
     A drafter with stops_early = True takes propose(..., keep_going=f) too: before its j-th token of a
     row (j = 0, 1, ...) it calls f(row, j, confidence) with the largest probability of the distribution
-    it is about to draw from, and stops that row's draft when f says no (k="auto" uses this); before
-    the step that computes that distribution it may ask f(row, j) whether the step is worth running.
+    it is about to draw from, and stops that row's draft when f says no (AdaptiveK(confidence_stop=True)
+    uses this); before the step that computes that distribution it may ask f(row, j) whether the step
+    is worth running.
     """
 
     stops_early = False
@@ -527,6 +528,7 @@ class ModelDrafter(Drafter):
         self.unprocessed_q = unprocessed_q
         self.sampled_confidence = sampled_confidence
         self.rows: CachedRows | None = None
+        self.steps = 0  # draft forward passes in the last propose()
 
     def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
         self.params = params
@@ -541,7 +543,7 @@ class ModelDrafter(Drafter):
         # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
         ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
         one_hot_q = self.params.greedy and not self.unprocessed_q  # q is one-hot on the argmax: not built per step
-        self.steps = 0  # draft forward passes this call (a row stopped by keep_going cost one more than it drafted)
+        self.steps = 0  # a row stopped by keep_going may have cost a step more than it drafted
         for j in range(max(ks.values(), default=0)):
             if keep_going is not None and j > 0:  # is the next draft step worth running at all?
                 for r in rows:
