@@ -144,28 +144,42 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     prompts = [chat_ids(target, p) for p in BENCH_PROMPTS]
     rows = []
 
-    plan = []  # (row, fn): every contender is registered first, then all run in interleaved rounds
+    plan = []  # (row, parts): every contender is registered first, then all run interleaved
 
-    def measure(name: str, fn, batch: int = 1, k=None, temperature: float = 0.0, warm=None):
-        """Register fn() -> (new token count, stats or None); run() times it with the others."""
+    def measure(name: str, parts, batch: int = 1, k=None, temperature: float = 0.0):
+        """Register a contender as parts (one per bench prompt, or one for a batch), each part() -> (new token
+        count, stats or None); run_plan() times them with the others'."""
         row = {"engine": name, "batch": batch, "k": k, "temperature": temperature}
-        plan.append((row, fn, warm or (lambda: fn(warm=True))))
+        plan.append((row, parts))
         return row
 
     def run_plan():
-        """Warm every contender up, then time `repeats` rounds of all of them (a, b, c, a, b, c, ...),
-        so that a change in the machine's load during the run hits every contender alike."""
-        for _, _, warm in plan:
-            warm()
+        """Warm every contender up (its first part), then time `repeats` rounds. In a round every prompt runs
+        every contender back to back, in alternating order (a b c, then c b a, ...), so that a change in the
+        machine's load hits every contender alike; a contender's rate in a round is its tokens over its time
+        summed over the prompts. (Per-prompt pairs vary far less than whole passes over the prompts, which on
+        this shared machine ranged up to 30% apart within one run.)"""
+        for _, parts in plan:
+            parts[0]()
         rates: list[list[float]] = [[] for _ in plan]
         stats: list = [None] * len(plan)
         for r in range(repeats):
             print(f"round {r + 1}/{repeats}", file=sys.stderr, flush=True)
-            for i, (row, fn, _) in enumerate(plan):
-                t = time.perf_counter()
-                n, stats[i] = fn()
-                rates[i].append(n / (time.perf_counter() - t))
-        for (row, _, _), rs, st in zip(plan, rates, stats):
+            tokens, secs, st = [0] * len(plan), [0.0] * len(plan), [[] for _ in plan]
+            for u in range(max(len(parts) for _, parts in plan)):
+                order = range(len(plan)) if (r + u) % 2 == 0 else range(len(plan) - 1, -1, -1)
+                for i in order:
+                    parts = plan[i][1]
+                    if u < len(parts):
+                        t = time.perf_counter()
+                        n, s_ = parts[u]()
+                        secs[i] += time.perf_counter() - t
+                        tokens[i] += n
+                        st[i].append(s_)
+            for i in range(len(plan)):
+                rates[i].append(tokens[i] / secs[i])
+                stats[i] = merge_stats(st[i])
+        for (row, _), rs, st in zip(plan, rates, stats):
             row.update(tok_s=statistics.median(rs), runs=rs)
             if st is not None:
                 a = st.acceptance_rate
@@ -179,14 +193,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                                                   if st is not None else ""), file=sys.stderr, flush=True)
 
     def over_prompts(run_one):
-        def fn(warm: bool = False):  # warm: the first prompt only, to pay first-call costs
-            total, stats = 0, []
-            for i, ids in enumerate(prompts[:1] if warm else prompts):
-                n, st = run_one(ids, i)
-                total += n
-                stats.append(st)
-            return total, merge_stats(stats)
-        return fn
+        """One part per bench prompt."""
+        return [lambda ids=ids, i=i: run_one(ids, i) for i, ids in enumerate(prompts)]
 
     def gen(temperature):
         return over_prompts(lambda ids, i: (len(target.generate(ids, max_new_tokens=new_tokens, temperature=temperature,
@@ -264,8 +272,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         def spec_b(batch=batch):
             res = target.speculate(draft, batch, k=4, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
             return sum(map(len, res.tokens)), res.stats
-        measure("minispec target-only", gen_b, batch=bsz, warm=gen_b)
-        measure("minispec speculate", spec_b, batch=bsz, k=4, warm=spec_b)
+        measure("minispec target-only", [gen_b], batch=bsz)
+        measure("minispec speculate", [spec_b], batch=bsz, k=4)
 
     run_plan()
 
