@@ -332,6 +332,16 @@ def test_cli_json_and_exit_status(cli_dirs, capsys):
     assert rc == 1 and "verdict: FAILED" in text
 
 
+def test_cli_k_auto(cli_dirs, capsys):
+    d = cli_dirs
+    base = ["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompt", "w1 w5 w2 w7 w3", "--samples", "50",
+            "--tokens", "2", "--no-reference", "--json"]
+    assert main(base + ["--k", "auto"]) == 0 and json.loads(capsys.readouterr().out)["settings"]["k"] == "auto"
+    with pytest.raises(SystemExit) as e:
+        main(base + ["--k", "four"])
+    assert e.value.code == 2 and "must be an integer or 'auto', got 'four'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--sampler", "sloppy"], "--sampler must be one of"),
     (["--samples", "5"], "--samples must be an integer >= 10"),
