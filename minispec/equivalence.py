@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cli import _k as k_argument  # --k: an integer >= 1 or "auto", as `python -m minispec generate` takes it
 from .generate import normalize_prompts
 from .sampling import SamplingParams, logits_to_probs
 from .speculative import SAMPLERS, AdaptiveK, check_compatible
@@ -423,16 +424,6 @@ class EquivalenceInputError(ValueError):
     """Bad input to the harness, found before any sampling (the command line exits with status 2 on it)."""
 
 
-def _k_arg(v: str) -> "int | str":
-    """--k: an integer or "auto" (range checks come with the other inputs')."""
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {v!r}") from None
-
-
 def _check_int(name: str, v, lo: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise EquivalenceInputError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -651,7 +642,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, metavar="K", default=DEFAULTS["top_k"],
                    help=f"sample from the k most likely tokens; 0 = off (default {DEFAULTS['top_k']})")
     p.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling mass")
-    p.add_argument("--k", type=_k_arg, metavar="K", default=DEFAULTS["k"],
+    p.add_argument("--k", type=k_argument, metavar="K", default=DEFAULTS["k"],
                    help=f"draft tokens per round, or 'auto' (default {DEFAULTS['k']})")
     p.add_argument("--seed", type=int, metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", default="exact", metavar="NAME",

@@ -186,9 +186,8 @@ class AdaptiveK:
         self.successes = self.failures = 0.0
         self.draft_step_s: float | None = None
         self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
-        self.rate: float | None = None  # committed tokens per second (decayed sums over all rounds)
-        self._tokens: float | None = None
-        self._seconds: float | None = None
+        self._tokens: float | None = None  # decayed sums over all rounds of committed tokens ...
+        self._seconds: float | None = None  # ... and of their seconds: see rate
         self.plain_rounds = 0
         # per confidence bin: decayed accepted / proposed drafts; the prior, two drafts at the bin's centre,
         # takes the draft's confidence at its word until its own record says otherwise
@@ -197,6 +196,11 @@ class AdaptiveK:
         self._probing = False
         self._chance: dict[int, float] = {}  # row -> P(this round's drafts so far are all accepted)
         self._confs: dict[int, list[float]] = {}  # row -> the confidence of each draft proposed this round
+
+    @property
+    def rate(self) -> float | None:
+        """Committed tokens per second over about the last 100 rounds (None before any)."""
+        return self._tokens / self._seconds if self._seconds else None
 
     @property
     def acceptance(self) -> float:
@@ -224,9 +228,7 @@ class AdaptiveK:
     def choose(self, token_by_token: bool = False) -> int:
         """This round's k; for a round drafted token by token (the drafter stops each draft by keep_going),
         k_max whenever speculating pays, for keep_going to cut short."""
-        self._probing = False
-        self._chance.clear()
-        self._confs.clear()
+        self._probing = False  # (the round's per-row chances and confidences were cleared by update)
         if self.successes + self.failures == 0:
             return self.k_start
         if self.cost_ratio is not None:
@@ -299,7 +301,6 @@ class AdaptiveK:
             slow = lambda old, new: new if old is None else self.RATE_DECAY * old + new  # noqa: E731
             self._tokens = slow(self._tokens, float(committed))
             self._seconds = slow(self._seconds, draft_s + verify_s)
-            self.rate = self._tokens / self._seconds if self._seconds > 0 else None
         # each draft up to the first rejection is an outcome at its confidence (later ones were never judged)
         for r, n, kk in zip(rows or [], accepted, drafted):
             for j, conf in enumerate(self._confs.get(r, [])[:min(n + 1, kk)]):
@@ -744,8 +745,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     drafter.start(live_prompts, live_budgets, params, block_size, target.config.vocab_size)
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
+    per_token = adaptive is not None and adaptive.confidence_stop and drafter.stops_early
     while active:
-        per_token = adaptive is not None and adaptive.confidence_stop and drafter.stops_early
         kr = adaptive.choose(token_by_token=per_token) if adaptive else k
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
@@ -804,13 +805,13 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             else:
                 still.append(i)
         t2 = time.perf_counter()
+        longest = max(map(len, drafts))
         if adaptive is not None:
-            steps = drafter.steps if per_token else max(map(len, drafts))
-            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, steps, t2 - t1,
-                            rows=active, committed=round_committed)
+            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, drafter.steps if per_token else longest,
+                            t2 - t1, rows=active, committed=round_committed)
         active = still
         stats.rounds += 1
-        stats.k_chosen.append(max(map(len, drafts)) if per_token else kr)
+        stats.k_chosen.append(longest if per_token else kr)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
     caches = (tgt, getattr(drafter, "rows", None)) if keep_caches else None

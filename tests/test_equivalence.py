@@ -339,7 +339,7 @@ def test_cli_k_auto(cli_dirs, capsys):
     assert main(base + ["--k", "auto"]) == 0 and json.loads(capsys.readouterr().out)["settings"]["k"] == "auto"
     with pytest.raises(SystemExit) as e:
         main(base + ["--k", "four"])
-    assert e.value.code == 2 and "must be an integer or 'auto', got 'four'" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --k: 'four' is not an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import peaked_model
-from minispec import ModelConfig, SamplingParams, Transformer
+from conftest import truncated as shared_truncated
+from minispec import SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
@@ -31,11 +32,8 @@ def random_model(seed: int, dim: int = 32, n_layers: int = 2, logit_scale: float
 
 
 def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) -> Transformer:
-    """The target's first n_layers (and its embedding, norm, head): a draft that often agrees with it."""
-    cfg = ModelConfig.from_dict({**target.config.to_dict(), "n_layers": n_layers})
-    m = Transformer(cfg)
-    m.load_state_dict({k: v for k, v in target.state_dict().items()
-                       if not k.startswith("layers.") or int(k.split(".")[1]) < n_layers})
+    """conftest's truncated draft (the target's first n_layers), its head logits scaled by logit_scale."""
+    m = shared_truncated(target, n_layers)
     with torch.no_grad():
         m.lm_head.weight.mul_(logit_scale)
     return m
