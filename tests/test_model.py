@@ -108,3 +108,22 @@ def test_subset_head_scores_only_its_ids(tmp_path):
     assert loaded.head_ids.tolist() == [3, 9, 0, 31, 17] and loaded.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="needs tie_embeddings=False"):
         ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, head_vocab_size=5)
+
+
+def test_rmsnorm_single_row_path_matches_and_keeps_gradients():
+    # a single fp32 row takes a shortcut (one dot product, a Python-float scale) when no gradient is
+    # recorded; it must equal the general formula, and training (grad enabled) must not take it
+    from minispec.model import RMSNorm
+    torch.manual_seed(0)
+    norm = RMSNorm(24, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(1, 1, 24) * 3
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    with torch.inference_mode():
+        assert torch.allclose(norm(x), ref, atol=1e-6, rtol=1e-6)
+    xg = x.clone().requires_grad_()
+    norm(xg).sum().backward()
+    xr = x.clone().requires_grad_()
+    (norm.weight * (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5))).sum().backward()
+    assert torch.allclose(xg.grad, xr.grad, atol=1e-6)
