@@ -58,7 +58,7 @@ def _checkpoint_dir(s: str) -> str:
     return s
 
 
-def _k(s: str) -> int | str:
+def k_argument(s: str) -> int | str:
     return "auto" if s == "auto" else _int_at_least(1)(s)
 
 
@@ -82,7 +82,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint")
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="speculative decoding with this draft checkpoint, or with prompt lookup (n-gram drafts)")
-    p.add_argument("--k", type=_k, default="auto",
+    p.add_argument("--k", type=k_argument, default="auto",
                    help="draft tokens proposed per round, or 'auto' (the default): chosen each round from the "
                         "measured acceptance rate and step costs, plain decoding when speculation would not pay")
     p.add_argument("--prompt", required=True, help="the prompt text")

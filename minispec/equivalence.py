@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cli import _k as k_argument  # --k: an integer >= 1 or "auto", as `python -m minispec generate` takes it
+from .cli import k_argument  # --k: an integer >= 1 or "auto", as `python -m minispec generate` takes it
 from .generate import normalize_prompts
 from .sampling import SamplingParams, logits_to_probs
 from .speculative import SAMPLERS, AdaptiveK, check_compatible
