@@ -24,11 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401 (TOKENIZER_FILES: the converters' import)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-# files that travel with a checkpoint when present (the tokenizer and its settings)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class CheckpointError(ValueError):
@@ -113,7 +112,6 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
     model.init_rope()  # the RoPE tables were built on the meta device: build them for real
     model = model.to(device=device or "cpu", dtype=dtype)
-    from .tokenizer import load_tokenizer
     model.tokenizer = load_tokenizer(path)
     return model
 

@@ -109,8 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if tok is None:
         raise CLIError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); generate needs one")
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        ids = tok.encode(text, bos=False)  # a chat template writes its own bos
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         ids = tok.encode(args.prompt)
     if not ids:

@@ -29,9 +29,12 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from . import protobuf
+
 JSON_FILE, SPM_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
-# files carried verbatim by save(): what load read is what save writes
-_CARRIED = (JSON_FILE, SPM_FILE, CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
+# the tokenizer files a checkpoint carries verbatim, when present (load reads them, save writes them back,
+# and the converters copy them): the one list of them
+TOKENIZER_FILES = (JSON_FILE, SPM_FILE, CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
 
 
 class TokenizerError(ValueError):
@@ -92,63 +95,6 @@ class _JsonBackend:
         return {"model": model.get("type"), "vocab": vocab, "merges": merges, "added": added}
 
 
-# a minimal protobuf reader/writer: enough to read a SentencePiece ModelProto's piece types and
-# normalizer flags and to flip one flag, without depending on the protobuf package
-
-def _pb_fields(data: bytes):
-    """Top-level (field number, wire type, value) triples of a serialized protobuf message."""
-    i, out = 0, []
-
-    def varint(i):
-        v = shift = 0
-        while True:
-            b = data[i]
-            i += 1
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                return v, i
-    while i < len(data):
-        key, i = varint(i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            v, i = varint(i)
-        elif wire == 1:
-            v, i = data[i:i + 8], i + 8
-        elif wire == 2:
-            n, i = varint(i)
-            v, i = data[i:i + n], i + n
-        elif wire == 5:
-            v, i = data[i:i + 4], i + 4
-        else:
-            raise TokenizerError(f"{SPM_FILE}: unexpected protobuf wire type {wire}; the file may be corrupt")
-        out.append((field, wire, v))
-    return out
-
-
-def _varint_bytes(n: int) -> bytes:
-    """Protobuf varint; negative int32 values become 10-byte two's complement, as protobuf sends them."""
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _pb_key(field: int, wire: int) -> bytes:
-    return _varint_bytes(field << 3 | wire)
-
-
-def _pb_value(wire: int, v) -> bytes:
-    if wire == 0:
-        return _varint_bytes(v)
-    if wire == 2:
-        return _varint_bytes(len(v)) + v
-    return v  # fixed 32/64-bit: raw bytes
-
-
 class _SentencePieceBackend:
     """tokenizer.model through `sentencepiece`.
 
@@ -165,20 +111,17 @@ class _SentencePieceBackend:
         import sentencepiece as spm
         try:
             self.sp = spm.SentencePieceProcessor(model_proto=data)
-            fields = _pb_fields(data)
-        except TokenizerError:
-            raise
+            fields = protobuf.fields(data)
+            normalizer = b""
+            self.types = []  # piece types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)
+            for f, _, v in fields:
+                if f == 1:
+                    self.types.append(dict((ff, vv) for ff, _, vv in protobuf.fields(v)).get(3, 1))
+                elif f == 3:
+                    normalizer = v
+            norm = {f: v for f, _, v in protobuf.fields(normalizer)}
         except Exception as e:
             raise TokenizerError(f"{SPM_FILE} cannot be read by sentencepiece ({e}); the file may be corrupt") from None
-        self.types = []  # piece types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)
-        normalizer = b""
-        for f, _, v in fields:
-            if f == 1:
-                sub = {ff: vv for ff, _, vv in _pb_fields(v)}
-                self.types.append(sub.get(3, 1))
-            elif f == 3:
-                normalizer = v
-        norm = {f: v for f, _, v in _pb_fields(normalizer)}
         self.add_dummy_prefix = bool(norm.get(3, 1))
         self.normalizer = {"name": norm.get(1, b"").decode("utf-8", "replace"), "add_dummy_prefix": self.add_dummy_prefix,
                            "remove_extra_whitespaces": bool(norm.get(4, 1)), "escape_whitespaces": bool(norm.get(5, 1))}
@@ -197,11 +140,10 @@ class _SentencePieceBackend:
     def _without_dummy_prefix(fields):
         for f, wire, v in fields:
             if f == 3:
-                body = b"".join(_pb_key(ff, w) + _pb_value(w, vv) for ff, w, vv in _pb_fields(v) if ff != 3)
-                body += _pb_key(3, 0) + b"\x00"
-                yield _pb_key(3, 2) + _pb_value(2, body)
+                body = b"".join(protobuf.field(ff, vv, w) for ff, w, vv in protobuf.fields(v) if ff != 3)
+                yield protobuf.field(3, body + protobuf.field(3, 0), 2)
             else:
-                yield _pb_key(f, wire) + _pb_value(wire, v)
+                yield protobuf.field(f, v, wire)
 
     def encode(self, text: str) -> list[int]:
         if self.split is None:
@@ -400,6 +342,11 @@ class Tokenizer:
         return _render_chat_template(self.chat_template, messages, add_generation_prompt,
                                      **self.special_tokens, **kwargs)
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages -> prompt ids, ending with the assistant's header when add_generation_prompt:
+        the chat template rendered, then encoded without an added bos (the template writes its own)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), bos=False)
+
     def save(self, path) -> None:
         """Write the tokenizer files (as they were read) into the directory `path`."""
         path = Path(path)
@@ -477,7 +424,7 @@ def load_tokenizer(path) -> Tokenizer | None:
     path = Path(path)
     if not any((path / n).is_file() for n in (JSON_FILE, SPM_FILE)):
         return None
-    files = {n: (path / n).read_bytes() for n in _CARRIED if (path / n).is_file()}
+    files = {n: (path / n).read_bytes() for n in TOKENIZER_FILES if (path / n).is_file()}
     try:
         return Tokenizer(files)
     except TokenizerError as e:

@@ -119,11 +119,6 @@ def merge_stats(stats: list):
     return SpeculativeStats.combined(stats) if stats else None
 
 
-def chat_ids(model, text: str) -> list[int]:
-    tok = model.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-
-
 def process_memory_mb(code: str) -> tuple[float, float]:
     """(peak, final) resident memory in MB of a fresh Python process running `code` (Linux /proc)."""
     import subprocess
@@ -141,7 +136,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
-    prompts = [chat_ids(target, p) for p in BENCH_PROMPTS]
+    prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
     rows = []
 
     plan = []  # (row, parts): every contender is registered first, then all run interleaved

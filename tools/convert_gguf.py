@@ -48,7 +48,7 @@ from _common import DTYPES, TensorEntry, atomic_output_dir, run_tool, tool_parse
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_shapes
 from minispec.config import ModelConfig
 from minispec.model import Transformer
-from minispec.tokenizer import _varint_bytes as _varint
+from minispec import protobuf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -276,17 +276,7 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
     return tok.to_str(pretty=True)
 
 
-def _pb_int(field: int, v: int) -> bytes:
-    return _varint(field << 3) + _varint(int(v))
-
-
-def _pb_bytes(field: int, v: bytes | str) -> bytes:
-    v = v.encode("utf-8") if isinstance(v, str) else v
-    return _varint(field << 3 | 2) + _varint(len(v)) + v
-
-
-def _pb_float(field: int, v: float) -> bytes:
-    return _varint(field << 3 | 5) + struct.pack("<f", v)
+_pb = protobuf.field
 
 
 def build_sentencepiece_model(meta: dict) -> bytes:
@@ -306,21 +296,21 @@ def build_sentencepiece_model(meta: dict) -> bytes:
     out = bytearray()
     for piece, score, ty in zip(tokens, scores, types):
         ty = ty if ty in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
-        out += _pb_bytes(1, _pb_bytes(1, piece) + _pb_float(2, float(score)) + _pb_int(3, ty))
+        out += _pb(1, _pb(1, piece) + _pb(2, float(score)) + _pb(3, int(ty)))
 
     def special(name, default):
         v = meta.get(f"tokenizer.ggml.{name}_token_id")
         return default if v is None else int(v)
     unk = special("unknown", types.index(UNKNOWN) if UNKNOWN in types else 0)
-    trainer = (_pb_int(3, 2)  # model_type BPE: llama's scores are merge ranks, encoded greedily by score
-               + _pb_int(4, len(tokens))
-               + _pb_int(35, int(BYTE in types))  # byte_fallback when the vocabulary has <0xNN> pieces
-               + _pb_int(40, unk) + _pb_int(41, special("bos", -1)) + _pb_int(42, special("eos", -1))
-               + _pb_int(43, special("padding", -1)))
+    trainer = (_pb(3, 2)  # model_type BPE: llama's scores are merge ranks, encoded greedily by score
+               + _pb(4, len(tokens))
+               + _pb(35, int(BYTE in types))  # byte_fallback when the vocabulary has <0xNN> pieces
+               + _pb(40, unk) + _pb(41, special("bos", -1)) + _pb(42, special("eos", -1))
+               + _pb(43, special("padding", -1)))
     add_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-    normalizer = (_pb_bytes(1, "identity") + _pb_int(3, int(bool(add_prefix)))
-                  + _pb_int(4, 0) + _pb_int(5, 1))
-    out += _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+    normalizer = (_pb(1, "identity") + _pb(3, int(bool(add_prefix)))
+                  + _pb(4, 0) + _pb(5, 1))
+    out += _pb(2, trainer) + _pb(3, normalizer)
     return bytes(out)
 
 
