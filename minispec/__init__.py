@@ -5,8 +5,11 @@ from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .model import Transformer
 from .sampling import SamplingParams
-from .speculative import PromptLookupDrafter, SpeculativeResult, SpeculativeStats
+from .adaptive import AdaptiveK
+from .drafters import Drafter, PromptLookupDrafter
+from .speculative import SpeculativeResult, SpeculativeStats
+from . import controls  # noqa: F401  (registers the negative-control samplers by name)
 
-__all__ = ["BlockAllocator", "CacheExhausted", "CheckpointError", "ModelConfig", "PagedKVCache",
+__all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "ModelConfig", "PagedKVCache",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeResult", "SpeculativeStats", "Transformer"]
 __version__ = "0.1.0"

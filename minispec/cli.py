@@ -13,15 +13,25 @@ checkpoint that does not load, ...) print `error: ...` and exit with status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-PROMPT_LOOKUP = "prompt-lookup"
+import torch
+
+from .drafters import PROMPT_LOOKUP
+from .equivalence import DEFAULTS, MIN_SAMPLES, ORDERS, EquivalenceInputError, plot_report, run_equivalence
+from .model import Transformer
+from .speculative import SAMPLERS
 
 
 class CLIError(RuntimeError):
     """A failure while running a command: printed as `error: ...`, exit status 1."""
+
+
+class InputError(ValueError):
+    """Bad input found after argument parsing (a prompt file, a prompt that encodes to nothing): exit status 2."""
 
 
 # ---- argument types: a bad value is an argparse error (exit status 2) naming the option
@@ -38,14 +48,14 @@ def _int_at_least(lo: int):
     return parse
 
 
-def _float_in(lo: float, hi: float, lo_open: bool = False):
+def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
     def parse(s: str) -> float:
         try:
             v = float(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-        if not (lo < v if lo_open else lo <= v) or not v <= hi:
-            raise argparse.ArgumentTypeError(f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+        if not (lo < v if lo_open else lo <= v) or not (v < hi if hi_open else v <= hi):
+            raise argparse.ArgumentTypeError(f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
         return v
     return parse
 
@@ -69,7 +79,6 @@ def _draft(s: str) -> str:
 def _device(s: str | None) -> str:
     if s is not None:
         return s
-    import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -98,10 +107,6 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream the continuation to stdout; the tokens/s (and speculation) summary goes to stderr."""
-    import torch
-
-    from .model import Transformer
-
     device = _device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     target = Transformer.from_pretrained(args.target, device=device, dtype=dtype)
@@ -158,13 +163,93 @@ def run_generate(args: argparse.Namespace) -> int:
 # ---- the command table and entry point
 
 def add_equivalence_args(p: argparse.ArgumentParser) -> None:
-    from .equivalence import add_arguments
-    add_arguments(p)
+    """The `equivalence` subcommand: every value is checked here, so bad input exits with 2 before a model loads."""
+    d = DEFAULTS
+    p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint directory")
+    p.add_argument("--draft", required=True, type=_draft, metavar="DIR|prompt-lookup",
+                   help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context)")
+    p.add_argument("--prompt", metavar="TEXT", help="a prompt (text)")
+    p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (with --prompt: both)")
+    p.add_argument("--samples", type=_int_at_least(MIN_SAMPLES), metavar="N", default=d["samples"],
+                   help=f"samples per prompt, >= {MIN_SAMPLES} (default {d['samples']})")
+    p.add_argument("--tokens", type=_int_at_least(1), metavar="T", default=d["tokens"],
+                   help=f"new tokens per sample (default {d['tokens']})")
+    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), metavar="X", default=d["temperature"],
+                   help=f"default {d['temperature']}; 0 checks equality with target greedy instead")
+    p.add_argument("--top-k", type=_int_at_least(0), metavar="K", default=d["top_k"],
+                   help=f"sample from the k most likely tokens; 0 = off (default {d['top_k']})")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), metavar="P", default=None,
+                   help="nucleus sampling mass")
+    p.add_argument("--k", type=k_argument, metavar="K", default=d["k"],
+                   help=f"draft tokens per round, or 'auto' (default {d['k']})")
+    p.add_argument("--seed", type=_int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
+    p.add_argument("--sampler", default="exact", choices=list(SAMPLERS), metavar="NAME",
+                   help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
+    p.add_argument("--alpha", type=_float_in(0.0, 1.0, lo_open=True, hi_open=True), metavar="A", default=d["alpha"],
+                   help=f"significance level of the verdict, in (0, 1) (default {d['alpha']})")
+    p.add_argument("--order", choices=("id", "prob", "both"), default="both",
+                   help="token order of the PIT's CDF: token ids, descending probability, or both (default)")
+    p.add_argument("--bins", type=_int_at_least(2), metavar="B", default=d["bins"],
+                   help="chi-square histogram bins (default 20)")
+    p.add_argument("--batch-size", type=_int_at_least(1), metavar="B", default=d["batch_size"],
+                   help=f"samples per batched speculate call (default {d['batch_size']})")
+    p.add_argument("--no-reference", action="store_true", help="skip the target-only calibration run (halves the time)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--plot", metavar="OUT.png", help="write the u histograms per position (needs matplotlib)")
+    p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
 
 
-def run_equivalence(args) -> int:
-    from .equivalence import run_cli
-    return run_cli(args)
+def _read_prompts(args) -> list[str]:
+    texts = [] if args.prompt is None else [args.prompt]
+    if args.prompts is not None:
+        try:
+            lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read --prompts {args.prompts}: {getattr(e, 'strerror', None) or e}") from None
+        lines = [line for line in lines if line.strip()]
+        if not lines:
+            raise InputError(f"--prompts {args.prompts} holds no prompts (one per line)")
+        texts += lines
+    if not texts:
+        raise InputError("give a prompt: --prompt TEXT or --prompts FILE")
+    if args.plot is not None and args.temperature > 0:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--plot needs matplotlib: pip install matplotlib (an optional extra)") from None
+    return texts
+
+
+def run_equivalence_cli(args: argparse.Namespace) -> int:
+    """Run the harness. Exit status: 0 passed, 1 failed (or uncalibrated), 2 bad input."""
+    texts = _read_prompts(args)
+    device = _device(args.device)
+    target = Transformer.from_pretrained(args.target, device=device)
+    draft = args.draft if args.draft == PROMPT_LOOKUP else Transformer.from_pretrained(args.draft, device=device)
+    tok = target.tokenizer
+    if tok is None:
+        raise InputError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); the prompts are text")
+    prompts = []
+    for i, text in enumerate(texts):
+        ids = tok.encode(text)
+        if not ids:
+            raise InputError(f"prompt {i} ({text!r}) encodes to no tokens and this tokenizer adds no bos; "
+                             "give a non-empty prompt")
+        prompts.append(ids)
+    report = run_equivalence(target, draft, prompts, samples=args.samples, tokens=args.tokens, k=args.k,
+                             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                             seed=args.seed, sampler=args.sampler, alpha=args.alpha, bins=args.bins,
+                             orders=ORDERS if args.order == "both" else (args.order,),
+                             reference=not args.no_reference, batch_size=args.batch_size, progress=True,
+                             names={"target": args.target, "draft": args.draft})
+    if args.plot is not None:
+        if report.mode == "pit":
+            plot_report(report, args.plot)
+            report.notes.append(f"u histograms written to {args.plot}")
+        else:
+            report.notes.append("--plot ignored: a greedy run has no u's to plot")
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.passed and report.calibrated is not False else 1
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -189,7 +274,7 @@ def run_bench(args) -> int:
 COMMANDS = {
     "generate": ("generate text from a prompt, optionally with a speculative draft", add_generate_args, run_generate),
     "equivalence": ("test that a draft/target pair's speculative samples follow the target's distribution",
-                    add_equivalence_args, run_equivalence),
+                    add_equivalence_args, run_equivalence_cli),
     "bench": ("speed benchmarks side by side with transformers (tools/bench.py)", add_bench_args, run_bench),
 }
 
@@ -212,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except (InputError, EquivalenceInputError) as e:  # bad input: argparse's status
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (CLIError, ValueError, OSError) as e:  # checkpoint, tokenizer and argument-value errors say what to do
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -17,14 +17,16 @@ Ainslie et al. 2023 (GQA), Shazeer 2020 (GLU variants), Kwon et al. 2023 (PagedA
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import AttentionMetadata, PagedKVCache
+from .checkpoint import load_pretrained, save_pretrained
 from .config import ModelConfig
+from .generate import generate
+from .speculative import speculate
 
 
 class RMSNorm(nn.Module):
@@ -317,32 +319,9 @@ class Transformer(nn.Module):
         last = torch.tensor(n_new, device=h.device) - 1
         return self.logits(h[torch.arange(len(seqs), device=h.device), last]).float()  # (B, vocab)
 
-    # ---- checkpoints and generation live in their own modules; thin methods here ----
+    # ---- checkpoints and generation live in their own modules: the functions are the methods ----
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype: torch.dtype | None = None) -> "Transformer":
-        """Load a minispec checkpoint directory (config.json + model.safetensors [+ tokenizer])."""
-        from .checkpoint import load_pretrained
-        return load_pretrained(cls, path, device=device, dtype=dtype)
-
-    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Write config.json + model.safetensors (+ tokenizer files) atomically to `path`."""
-        from .checkpoint import save_pretrained
-        save_pretrained(self, path, dtype=dtype)
-
-    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, stop_tokens=None, on_tokens=None,
-                 block_size: int = 16):
-        """Sample continuations. See minispec.generate.generate for the arguments."""
-        from .generate import generate
-        return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, stop_tokens=stop_tokens, on_tokens=on_tokens, block_size=block_size)
-
-    def speculate(self, draft, prompts, k: int | str = 4, max_new_tokens: int = 64, temperature: float = 0.0,
-                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
-                  on_tokens=None, block_size: int = 16, **kwargs):
-        """Speculative decoding with `draft` proposing k tokens per round. See minispec.speculative.speculate."""
-        from .speculative import speculate
-        return speculate(self, draft, prompts, k=k, max_new_tokens=max_new_tokens, temperature=temperature,
-                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, on_tokens=on_tokens,
-                         block_size=block_size, **kwargs)
+    from_pretrained = classmethod(load_pretrained)  # Transformer.from_pretrained(dir, device=None, dtype=None)
+    save_pretrained = save_pretrained  # model.save_pretrained(dir, dtype=None)
+    generate = generate  # model.generate(prompts, max_new_tokens=64, temperature=0.0, ...)
+    speculate = speculate  # model.speculate(draft, prompts, k=4, ...)

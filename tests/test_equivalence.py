@@ -1,4 +1,4 @@
-"""The distribution-equivalence harness (minispec/equivalence.py).
+"""The distribution-equivalence harness (minispec/equivalence/).
 
 First the pure maths (the randomized PIT, the uniformity tests, Holm's correction),
 then the harness on a tiny random draft/target pair: the exact sampler passes, the
@@ -20,10 +20,10 @@ import torch
 
 from conftest import peaked_model, truncated
 from minispec import SamplingParams, Transformer
-from minispec.equivalence import (DEFAULTS, ORDERS, EquivalenceInputError, analyse, holm, main, pit, plot_report,
+from minispec import AdaptiveK, cli
+from minispec.equivalence import (DEFAULTS, ORDERS, EquivalenceInputError, analyse, holm, pit, plot_report,
                                   run_equivalence, target_pit, uniformity)
 from minispec.sampling import logits_to_probs
-from minispec.speculative import AdaptiveK
 
 BROKEN = ("no-residual", "always-accept", "unprocessed-q")
 PROMPT = [1, 5, 2, 7, 3]
@@ -165,19 +165,15 @@ def test_broken_samplers_fail_at_the_default_sample_size(pair, sampler):
     assert "verdict: FAILED" in r.format()
 
 
-def test_token_by_token_auto_k(pair):
-    """AdaptiveK's confidence stop (with fixed costs, so the run is deterministic) is exact;
-    stopping on the drawn token's own probability is caught (p_holm 1e-46; exact 0.98)."""
+def test_adaptive_k_in_the_harness(pair):
+    """An AdaptiveK of the caller's (fixed costs, so the run is deterministic) is exact, and a broken
+    sampler under it is still caught."""
     target, draft = pair
     kw = dict(tokens=4, reference=False)
-    ok = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3, confidence_stop=True), **kw)
+    ok = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), **kw)
     assert ok.passed and ok.speculation["drafted"] > 0 and ok.settings["k"] == "AdaptiveK(k_max=4)", ok.format()
-    bad = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3, confidence_stop=True), sampler="sampled-confidence",
-                          **kw)
+    bad = run_equivalence(target, draft, PROMPT, k=AdaptiveK(k_max=4, cost_ratio=0.3), sampler="no-residual", **kw)
     assert not bad.passed and bad.speculative.min_adjusted < 1e-6, bad.format()
-    plain = run_equivalence(target, draft, PROMPT, samples=20, tokens=2, k=2, sampler="sampled-confidence",
-                            reference=False)
-    assert any("sampled-confidence has no effect" in n for n in plain.notes)
 
 
 def _without_speed(d: dict) -> dict:
@@ -319,6 +315,14 @@ def cli_dirs(pair, tmp_path_factory):
     return dirs
 
 
+def main(argv: list[str]) -> int:
+    """python -m minispec equivalence ARGV -> its exit status (argparse's own errors included)."""
+    try:
+        return cli.main(["equivalence", *argv])
+    except SystemExit as e:
+        return e.code
+
+
 def test_cli_json_and_exit_status(cli_dirs, capsys):
     d = cli_dirs
     rc = main(["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompts", str(d["prompts"]),
@@ -337,16 +341,15 @@ def test_cli_k_auto(cli_dirs, capsys):
     base = ["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompt", "w1 w5 w2 w7 w3", "--samples", "50",
             "--tokens", "2", "--no-reference", "--json"]
     assert main(base + ["--k", "auto"]) == 0 and json.loads(capsys.readouterr().out)["settings"]["k"] == "auto"
-    with pytest.raises(SystemExit) as e:
-        main(base + ["--k", "four"])
-    assert e.value.code == 2 and "argument --k: 'four' is not an integer" in capsys.readouterr().err
+    assert main(base + ["--k", "four"]) == 2 and "argument --k: 'four' is not an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--sampler", "sloppy"], "--sampler must be one of"),
-    (["--samples", "5"], "--samples must be an integer >= 10"),
-    (["--tokens", "0"], "--tokens must be an integer >= 1"),
-    (["--top-p", "1.5"], "top_p"),
+    (["--sampler", "sloppy"], "argument --sampler: invalid choice: 'sloppy'"),
+    (["--samples", "5"], "argument --samples: 5 is less than 10"),
+    (["--tokens", "0"], "argument --tokens: 0 is less than 1"),
+    (["--top-p", "1.5"], "argument --top-p: 1.5 is outside (0.0, 1.0]"),
+    (["--alpha", "1"], "argument --alpha: 1.0 is outside (0.0, 1.0)"),
 ])
 def test_cli_bad_arguments_exit_2(cli_dirs, capsys, extra, match):
     d = cli_dirs
@@ -365,9 +368,8 @@ def test_cli_bad_prompts_and_drafts_exit_2(cli_dirs, capsys, tmp_path):
     assert "tokenizers differ" in capsys.readouterr().err
     assert main(base + ["--draft", str(tmp_path), "--prompt", "w1 w2"]) == 2
     assert "not a minispec checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:  # argparse: a non-integer is its own exit-2 error
-        main(base + ["--draft", str(d["draft"]), "--prompt", "w1", "--samples", "many"])
-    assert e.value.code == 2
+    assert main(base + ["--draft", str(d["draft"]), "--prompt", "w1", "--samples", "many"]) == 2
+    assert "argument --samples: 'many' is not an integer" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

@@ -103,9 +103,7 @@ def run(models, draft, k, temperature, top_k=None, top_p=None, sampler="exact", 
     target = models["target"]
     drafter = models[draft] if draft in models else draft
     if k == "adaptive":  # fixed costs, so the k's chosen (and the test) are deterministic; k per round
-        k = AdaptiveK(k_max=3, cost_ratio=0.1, k_start=1, confidence_stop=False)
-    elif k == "token-by-token":  # drafts stopped by the draft's confidence, from the first round (k_start 2)
-        k = AdaptiveK(k_max=3, cost_ratio=0.3, k_start=2, confidence_stop=True)
+        k = AdaptiveK(k_max=3, cost_ratio=0.1, k_start=1)
     res = target.speculate(drafter, [prompt] * n, k=k, max_new_tokens=n_new, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, stop_tokens=list(stops), sampler=sampler)
     exact = exact_distribution(target, prompt, n_new, SamplingParams(temperature, top_k, top_p), set(stops))
@@ -119,7 +117,6 @@ EXACT_FAST = [  # (draft, k, temperature, top_k, top_p)
     ("near-uniform", 1, 1.5, None, 0.9),
     ("target", 5, 1.0, None, None),
     ("truncated", "adaptive", 1.0, None, None),  # k chosen per round from the acceptance so far
-    ("truncated", "token-by-token", 1.0, None, None),  # and each draft stopped or not by the draft's confidence
 ]
 EXACT_SLOW = [
     ("small", 2, 1.5, 4, 0.8),
@@ -128,8 +125,6 @@ EXACT_SLOW = [
     ("truncated-peaked", 1, 1.5, None, None),
     ("small", 3, 1.0, 3, None),
     ("truncated", 3, 1.5, 2, 0.7),
-    ("small", "token-by-token", 1.0, None, None),
-    ("truncated-peaked", "token-by-token", 0.5, 3, None),
 ]
 
 
@@ -137,8 +132,6 @@ EXACT_SLOW = [
 def test_exact_matches_target_distribution(models, draft, k, temperature, top_k, top_p):
     p, stats = run(models, draft, k, temperature, top_k, top_p)
     assert stats.drafted > 0
-    if k == "token-by-token":  # the confidence stop did cut drafts: at the first position and at the second
-        assert stats.position_drafted[0] < stats.sequence_rounds and 0 < stats.position_drafted[1] < 0.75 * N
     assert p > 1e-4, f"speculate's distribution differs from the target's: chi-square p = {p:.3g}"
 
 
@@ -154,7 +147,6 @@ NEGATIVE = [  # (sampler, draft, k, temperature, top_k): settings where the bug 
     ("no-residual", "near-uniform", 2, 1.0, None),
     ("always-accept", "truncated", 2, 1.0, None),
     ("unprocessed-q", "small", 3, 0.5, 2),
-    ("sampled-confidence", "truncated", "token-by-token", 1.0, None),  # stopping on the drawn token's own q
 ]
 
 

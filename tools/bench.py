@@ -132,7 +132,7 @@ def process_memory_mb(code: str) -> tuple[float, float]:
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
                quick: bool = False) -> dict:
-    from minispec.speculative import AdaptiveK, expected_tokens
+    from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
@@ -206,11 +206,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
     for k in (*ks, "auto"):
         measure("minispec speculate", spec(draft, k, 0.0), k=k)
-    # k="auto" with drafts stopped token by token by the draft's confidence (AdaptiveK(confidence_stop=True))
-    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=True), 0.0), k="auto/token")
     for k in ((2, 4, "auto") if quick else (*ks, "auto")):
         measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
-    measure("minispec speculate", spec(draft, AdaptiveK(confidence_stop=True), 0.7), k="auto/token", temperature=0.7)
     for k in (4, "auto"):
         measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
 

@@ -1,0 +1,60 @@
+"""Negative controls: deliberately broken samplers that every exactness test must reject.
+
+A statistical test that passes the exact sampler proves little until it is shown
+to fail a wrong one. Each control here is `ExactSampler` with exactly one step
+replaced by a plausible mistake, registered under its name in
+`speculative.SAMPLERS`, so `speculate(..., sampler="no-residual")` runs it
+through the same loop as the exact algorithm:
+
+- "no-residual": after a rejection, resample from p instead of norm(max(0, p - q))
+  (over-weights the tokens the draft already likes);
+- "always-accept": accept every draft token (the output is the draft's);
+- "unprocessed-q": a model draft samples from its processed q but reports its raw
+  softmax (temperature 1, no top-k / top-p) to the acceptance step.
+
+At temperature 0 only "always-accept" differs from exact: with one-hot p and q
+the residual is p, and a one-hot draw reports the same q either way.
+"""
+
+from __future__ import annotations
+
+from .sampling import sample_rows
+from .speculative import SAMPLERS, ExactSampler
+
+
+class NoResidual(ExactSampler):
+    name = "no-residual"
+
+    def verify(self, draft_tokens, q, p, uniforms):
+        n, nxt = super().verify(draft_tokens, q, p, uniforms)
+        if n < len(draft_tokens):  # rejected at position n: the exact step drew from the residual; draw from p
+            nxt = sample_rows(p[n].unsqueeze(0), uniforms[len(draft_tokens):])[0]
+        return n, nxt
+
+
+class AlwaysAccept(ExactSampler):
+    name = "always-accept"
+
+    def verify(self, draft_tokens, q, p, uniforms):
+        k = len(draft_tokens)
+        return k, sample_rows(p[k].unsqueeze(0), uniforms[k:])[0]
+
+    def greedy_verify(self, target, h, n_pending, drafts):
+        last = [n - 1 + len(d) for n, d in zip(n_pending, drafts)]  # each row's last draft: the bonus position
+        return [len(d) for d in drafts], target.logits(h[list(range(len(drafts))), last]).argmax(-1).tolist()
+
+
+class UnprocessedQ(ExactSampler):
+    name = "unprocessed-q"
+
+    def draw(self, logits, probs, u):
+        tokens, _ = super().draw(logits, probs, u)
+        return tokens, logits.float().softmax(-1).double().cpu()
+
+
+def register(*samplers: ExactSampler) -> None:
+    for s in samplers:
+        SAMPLERS[s.name] = s
+
+
+register(NoResidual(), AlwaysAccept(), UnprocessedQ())

@@ -1,0 +1,249 @@
+"""Drafters: what proposes the tokens that the target verifies.
+
+`speculate` asks a drafter for up to k tokens per sequence and the distributions
+q they were drawn from (see `Drafter`). Two come with minispec:
+
+- `ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples
+  d_1..d_k autoregressively over its own paged cache (`CachedRows`);
+- `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's
+  last tokens earlier in its own context (Saxena 2023); q is one-hot on it.
+
+`CachedRows` is the cache bookkeeping both the target and a model draft use:
+one cache sequence per batch row, with the tokens of a round rolled back to
+what the round committed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .sampling import SamplingParams, logits_to_probs, sample_rows
+
+PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
+
+
+class CachedRows:
+    """A model, its paged cache, and one cache sequence per batch row.
+
+    Between rounds a row's cache holds its committed tokens except `pending`
+    ones; at least the last committed token stays pending, because feeding it
+    is what yields the next position's logits. Rows that share a prompt share
+    its prefill: it runs once and the blocks are forked (copy-on-write).
+    """
+
+    def __init__(self, model, prompts: dict[int, list[int]], budgets: dict[int, int], block_size: int):
+        self.model = model
+        bs = block_size
+        unique: dict[tuple, list[int]] = {}
+        for row, p in prompts.items():
+            unique.setdefault(tuple(p), []).append(row)
+        # worst case: each row grows to prompt + budget tokens; shared full prompt blocks are counted once
+        blocks = sum(-(-(len(p) - 1) // bs) for p in unique)
+        blocks += sum(-(-(len(p) + budgets[r]) // bs) - (len(p) - 1) // bs for r, p in prompts.items())
+        self.cache = model.new_cache(num_blocks=max(blocks, 1), block_size=bs)
+        self.seq: dict[int, int] = {}
+        self.pending: dict[int, list[int]] = {r: [p[-1]] for r, p in prompts.items()}
+        self.fed: dict[int, list[int]] = {}  # row -> tokens fed after its pending ones this round
+        parents = {p: self.cache.new_sequence() for p in unique if len(p) > 1}
+        if parents:  # one prefill of prompt[:-1] per distinct prompt
+            model.step(self.cache, list(parents.values()), [list(p[:-1]) for p in parents])
+        for p, rows in unique.items():
+            for r in rows:
+                self.seq[r] = self.cache.fork(parents[p]) if p in parents else self.cache.new_sequence()
+        for s in parents.values():
+            self.cache.free(s)
+
+    def feed(self, rows: list[int], tokens: list[list[int]], all_logits: bool = False,
+             hidden: bool = False) -> torch.Tensor:
+        """Append each row's pending tokens (first feed of a round only) and then tokens[j]; return the logits
+        (or the hidden states: see Transformer.step)."""
+        lists = []
+        for r, t in zip(rows, tokens):
+            lists.append(self.pending[r] + t)
+            self.pending[r] = []
+            self.fed.setdefault(r, []).extend(t)
+        return self.model.step(self.cache, [self.seq[r] for r in rows], lists, all_logits=all_logits, hidden=hidden)
+
+    def commit(self, row: int, new_tokens: list[int]) -> None:
+        """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest."""
+        fed = self.fed.pop(row, None)
+        if fed is None:  # not fed this round: everything committed is still to be fed
+            self.pending[row] += new_tokens
+            return
+        keep = 0
+        while keep < min(len(fed), len(new_tokens) - 1) and fed[keep] == new_tokens[keep]:
+            keep += 1
+        s = self.seq[row]
+        self.cache.truncate(s, self.cache.length(s) - len(fed) + keep)
+        self.pending[row] = new_tokens[keep:]
+
+    def free(self, row: int) -> None:
+        self.cache.free(self.seq[row])
+
+
+def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """(len(tokens), V) float64 rows, each 1 at its token: the q of a deterministic proposal."""
+    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float64)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q
+
+
+class Drafter:
+    """What `speculate` asks of a drafter. Rows are indices into the prompt batch.
+
+    start(prompts, budgets, params, block_size, vocab_size): a new run; prompts and budgets are dicts by row.
+    propose(rows, ks, contexts, gens) -> (tokens, q): for each rows[j], up to ks[j] tokens and the
+        (n_j, V) float64 distributions they were drawn from; contexts[row] is prompt + committed tokens;
+        gens[row] is the row's generator (a drafter that samples must draw only from it).
+    commit(row, tokens): the round committed these tokens to the row.
+    finish(row, keep): the row is done; release it unless keep.
+    steps: the draft forward passes the last propose() ran (what k="auto" divides its time by).
+    """
+
+    steps = 0
+
+    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+        raise NotImplementedError
+
+    def propose(self, rows, ks, contexts, gens):
+        raise NotImplementedError
+
+    def commit(self, row: int, tokens: list[int]) -> None:
+        pass
+
+    def finish(self, row: int, keep: bool = False) -> None:
+        pass
+
+
+# (logits (B, V), probs (B, V) = logits_to_probs(logits), uniforms (B,)) -> (B tokens, (B, V) q reported)
+Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[list[int], torch.Tensor]"]
+
+
+def draw_exact(logits: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """A model draft's draw: each row's token from its processed distribution, which is the q reported."""
+    return sample_rows(probs, u), probs
+
+
+class ModelDrafter(Drafter):
+    """A smaller Transformer samples d_1..d_k autoregressively over its own paged cache.
+
+    Each step feeds every live row's last token and draws the next from the draft's
+    logits through the same `logits_to_probs` as the target's (so q has the same
+    temperature, top-k and top-p); `draw` is that step, replaceable only so the
+    negative controls (minispec.controls) can break it. Greedy drafting proposes
+    the argmax, and q is one-hot on it.
+    """
+
+    def __init__(self, model, draw: Draw = draw_exact):
+        self.model = model
+        self.draw = draw
+        self.rows: CachedRows | None = None
+
+    def start(self, prompts, budgets, params: SamplingParams, block_size, vocab_size) -> None:
+        self.params = params
+        self.max_len = self.model.config.max_seq_len
+        # a prompt longer than the draft's window never gets drafts: those rounds are plain target steps
+        fits = {r: p for r, p in prompts.items() if len(p) <= self.max_len}
+        self.rows = CachedRows(self.model, fits, budgets, block_size)
+
+    def propose(self, rows, ks, contexts, gens):
+        tokens = {r: [] for r in rows}
+        qs = {r: [] for r in rows}
+        # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
+        ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
+        self.steps = max(ks.values(), default=0)
+        for j in range(self.steps):
+            live = [r for r in rows if ks[r] > j]
+            logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
+            if self.params.greedy:
+                picks, q = logits.argmax(-1).tolist(), None
+            else:
+                probs = logits_to_probs(logits, self.params).double().cpu()  # (B, V)
+                u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live])
+                picks, q = self.draw(logits, probs, u)
+            for b, (r, d) in enumerate(zip(live, picks)):
+                tokens[r].append(d)
+                if q is not None:
+                    qs[r].append(q[b])
+        V = self.model.config.vocab_size
+        return ([tokens[r] for r in rows],
+                [torch.stack(qs[r]) if qs[r] else one_hot(tokens[r], V) for r in rows])
+
+    def commit(self, row, tokens):
+        if row in self.rows.seq:
+            self.rows.commit(row, tokens)
+
+    def finish(self, row, keep=False):
+        if row in self.rows.seq and not keep:
+            self.rows.free(row)
+
+
+class PromptLookupDrafter(Drafter):
+    """Model-free drafting: find the sequence's last n tokens earlier in its own context, propose what followed.
+
+    Tries n = ngram down to min_ngram, most recent match first. The proposal is
+    a deterministic function of the context, so q is one-hot on it and the
+    exact rule still applies at any temperature (accept d with probability
+    p(d); on rejection sample p with d removed). No match: no draft, and the
+    round is a plain target step.
+    """
+
+    def __init__(self, ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= ngram):
+            raise ValueError(f"PromptLookupDrafter needs integers 1 <= min_ngram <= ngram, got ngram={ngram!r}, "
+                             f"min_ngram={min_ngram!r}")
+        self.ngram, self.min_ngram = ngram, min_ngram
+
+    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+        self.vocab_size = vocab_size
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the context's tail."""
+        L = len(context)
+        for n in range(min(self.ngram, L - 1), self.min_ngram - 1, -1):
+            tail = context[L - n:]
+            for s in range(L - n - 1, -1, -1):  # starts before the tail itself, so a continuation exists
+                if context[s:s + n] == tail:
+                    return context[s + n:s + n + k]
+        return []
+
+    def propose(self, rows, ks, contexts, gens):
+        tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
+        self.steps = 0
+        return tokens, [one_hot(t, self.vocab_size) for t in tokens]
+
+
+def check_compatible(target, draft) -> None:
+    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
+                         "token ids, so draft and target must share one tokenizer and vocabulary")
+    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if (tt is None) != (dt is None):
+        which = "target" if dt is None else "draft"
+        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
+                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
+    if tt is not None and tt is not dt:
+        ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
+        if ft != fd:
+            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
+                             "speculative decoding needs one shared tokenizer")
+
+
+def make_drafter(target, draft, draw: Draw = draw_exact) -> Drafter:
+    """A Transformer, "prompt-lookup", or a Drafter -> a Drafter (a Transformer drafts with `draw`)."""
+    if isinstance(draft, str):
+        if draft != PROMPT_LOOKUP:
+            raise ValueError(f"unknown drafter {draft!r}; pass a Transformer, 'prompt-lookup' or a Drafter")
+        return PromptLookupDrafter()
+    if isinstance(draft, ModelDrafter):
+        draft = draft.model
+    elif isinstance(draft, Drafter):
+        return draft
+    if not (hasattr(draft, "step") and hasattr(draft, "config")):
+        raise ValueError(f"draft must be a Transformer, 'prompt-lookup' or a Drafter, got {type(draft).__name__}")
+    check_compatible(target, draft)
+    return ModelDrafter(draft, draw)
