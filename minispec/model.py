@@ -27,6 +27,7 @@ from .checkpoint import load_pretrained, save_pretrained
 from .config import ModelConfig
 from .generate import generate
 from .speculative import speculate
+from .threads import tuned
 
 
 class RMSNorm(nn.Module):
@@ -309,15 +310,17 @@ class Transformer(nn.Module):
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
-        h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
-        if hidden:
-            return h
-        if all_logits:
-            return self.logits(h).float()
-        if min(n_new) == T:  # every sequence's last new token is in the last column
-            return self.logits(h[:, -1]).float()  # (B, vocab)
-        last = torch.tensor(n_new, device=h.device) - 1
-        return self.logits(h[torch.arange(len(seqs), device=h.device), last]).float()  # (B, vocab)
+        # the thread count is chosen per kind of step by its measured times (minispec.threads)
+        with tuned((self.config.dim, self.config.n_layers, len(seqs), T), self.device):
+            h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
+            if hidden:
+                return h
+            if all_logits:
+                return self.logits(h).float()
+            if min(n_new) == T:  # every sequence's last new token is in the last column
+                return self.logits(h[:, -1]).float()  # (B, vocab)
+            last = torch.tensor(n_new, device=h.device) - 1
+            return self.logits(h[torch.arange(len(seqs), device=h.device), last]).float()  # (B, vocab)
 
     # ---- checkpoints and generation live in their own modules: the functions are the methods ----
 

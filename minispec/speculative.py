@@ -177,7 +177,7 @@ class SpeculativeStats:
     position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted
     draft_time_s: float = 0.0  # wall time spent drafting
     verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
-    k_chosen: list[int] = field(default_factory=list)  # each round's k (k="auto": chosen; token by token: drafted)
+    k_chosen: list[int] = field(default_factory=list)  # each round's k (with k="auto": the one chosen)
 
     @property
     def acceptance_rate(self) -> float:

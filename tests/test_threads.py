@@ -1,0 +1,60 @@
+"""The thread tuner: it runs the fastest measured count, notices when the machine changes, and backs off."""
+
+from __future__ import annotations
+
+from minispec.threads import ThreadTuner
+
+KIND = (576, 30, 1, 1)
+
+
+def simulate(tuner: ThreadTuner, cost, steps: int) -> list[int]:
+    """Run `steps` steps whose time is cost(step, threads); return the thread count of each."""
+    used = []
+    for i in range(steps):
+        n = tuner.choose(KIND)
+        tuner.record(KIND, n, cost(i, n))
+        used.append(n)
+    return used
+
+
+def test_candidates_halve_down_to_one():
+    assert ThreadTuner(max_threads=8).candidates == [8, 4, 2, 1]
+    assert ThreadTuner(max_threads=2).candidates == [2, 1]
+    assert ThreadTuner(max_threads=1).candidates == [1]
+
+
+def test_quiet_machine_keeps_all_threads_and_tries_rarely():
+    tuner = ThreadTuner(max_threads=2)
+    used = simulate(tuner, lambda i, n: 0.030 if n == 2 else 0.036, 2000)
+    assert used[0] == 2 and used[-100:].count(2) == 100
+    tries = used.count(1)
+    assert 3 <= tries <= 12, tries  # the back-off doubles from 8 steps to 256: few tries over 2000 steps
+
+
+def test_a_busy_core_moves_to_one_thread_and_back_when_it_is_free():
+    tuner = ThreadTuner(max_threads=2)
+    quiet = lambda n: 0.030 if n == 2 else 0.036  # noqa: E731
+    busy = lambda n: 0.090 if n == 2 else 0.043  # two threads wait on each other when one core is taken  # noqa: E731
+    used = simulate(tuner, lambda i, n: quiet(n) if i < 500 or i >= 1500 else busy(n), 2500)
+    loaded = used[500:1500]
+    assert loaded[20:].count(1) >= 0.97 * len(loaded[20:])  # switched within a few steps of the load arriving
+    assert used[1500 + 300:].count(2) >= 0.95 * len(used[1800:])  # and back once a try sees the core free
+
+
+def test_kinds_are_tuned_apart():
+    tuner = ThreadTuner(max_threads=2)
+    for _ in range(300):
+        for kind, fast in (((1,), 2), ((2,), 1)):
+            n = tuner.choose(kind)
+            tuner.record(kind, n, 0.01 if n == fast else 0.02)
+    assert tuner.best((1,)) == 2 and tuner.best((2,)) == 1
+
+
+def test_step_sets_the_count_only_when_it_changes():
+    calls = []
+    t = iter(range(100))
+    tuner = ThreadTuner(max_threads=2, set_threads=calls.append, clock=lambda: next(t) * 0.01)
+    for _ in range(3):
+        with tuner.step(KIND) as n:
+            assert n == 2
+    assert calls == [2]
