@@ -1,4 +1,4 @@
-"""tools/distill_draft.py on a tiny random target: generation resumes without duplicates and matches
+"""tools/distill_draft.py (the package tools/distill/) on a tiny random target: generation resumes without duplicates and matches
 `generate`, training resumes bit-for-bit from its checkpoint, the exported draft loads and shares the
 target's tokenizer, and the greedy round replay counts rounds as speculation does."""
 
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-import distill_draft as dd  # noqa: E402
+import distill as dd  # noqa: E402
 from minispec import ModelConfig, Transformer  # noqa: E402
 from minispec.tokenizer import load_tokenizer  # noqa: E402
 
@@ -136,11 +136,11 @@ def test_train_resumes_exactly_and_exports_a_loadable_draft(generated, target_di
     dd.train_stage(straight, cfg=small_cfg(), max_steps=8, **args)
     resumed = tmp_path / "resumed"
     dd.train_stage(resumed, cfg=small_cfg(), max_steps=3, **args)
-    first = torch.load(resumed / "ckpt.pt", weights_only=False)
+    first = torch.load(resumed / "ckpt.pt", weights_only=True)
     assert first["step"] == 3
     dd.train_stage(resumed, cfg=None, max_steps=8, export_to=tmp_path / "draft", **args)
-    a = torch.load(straight / "ckpt.pt", weights_only=False)
-    b = torch.load(resumed / "ckpt.pt", weights_only=False)
+    a = torch.load(straight / "ckpt.pt", weights_only=True)
+    b = torch.load(resumed / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 8
     for name in a["model"]:
         torch.testing.assert_close(a["model"][name], b["model"][name], rtol=0, atol=0, msg=name)
@@ -167,7 +167,7 @@ def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_p
     # the architecture comes from the draft, whatever the config says; training goes on from its weights
     dd.train_stage(tmp_path / "second", cfg=dd.TrainConfig(dim=8, head_vocab=10, warmup=2, max_tokens=64), max_steps=1,
                    init_from=tmp_path / "draft", **args)
-    state = torch.load(tmp_path / "second" / "ckpt.pt", weights_only=False)
+    state = torch.load(tmp_path / "second" / "ckpt.pt", weights_only=True)
     assert state["step"] == 1 and state["train_config"]["dim"] == 16 and state["train_config"]["head_vocab"] == 20
     assert torch.equal(state["model"]["head_ids"], exported.head_ids)
     w0, w1 = exported.state_dict()["layers.0.mlp.up_proj.weight"], state["model"]["layers.0.mlp.up_proj.weight"]
@@ -178,18 +178,18 @@ def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_p
         dd.train_stage(tmp_path / "third", max_steps=1, init_from=tmp_path / "not_a_draft", **args)
 
 
-def test_a_stop_request_ends_training_with_a_checkpoint(generated, target_dir, tmp_path, monkeypatch):
-    """SIGTERM / Ctrl-C during `train` (distill_draft._request_stop) finish the step, checkpoint and return."""
+def test_a_stop_request_ends_training_with_a_checkpoint(generated, target_dir, tmp_path):
+    """SIGTERM / Ctrl-C during `train` (a StopRequest as the handler) finish the step, checkpoint and return."""
     root, _, _ = generated
     torch.set_num_threads(1)
-    monkeypatch.setattr(dd, "STOP_REQUESTED", False)
-    dd._request_stop(15, None)
-    assert dd.STOP_REQUESTED
+    stop = dd.StopRequest()
+    stop(15, None)
+    assert stop.requested
     dd.train_stage(tmp_path / "run", root / "data", root / "labels", str(target_dir), small_cfg(), max_steps=50,
-                   progress=False, export_to=None)
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] == 1
+                   progress=False, export_to=None, stop=stop)
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 1
     with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
-        dd._request_stop(15, None)
+        stop(15, None)
 
 
 def test_simulate_greedy_rounds():
@@ -229,7 +229,6 @@ def test_measure_replay_agrees_with_speculate(target_dir, tmp_path):
     res = dd.measure_stage(str(target_dir), str(tmp_path / "draft"), prompts, n_prompts=6, k=3, max_new_tokens=10,
                            cost_repeats=4)
     rep, spec = res["replay"], res["speculate"]
-    assert "error" not in spec, spec
     assert spec["matches_greedy"]
     assert 0.2 < rep["acceptance_rate"] < 0.95 and rep["tokens_per_round"] > 1  # both kinds of round happen
     # same greedy text, same proposals: the same number of rounds and of accepted tokens
@@ -245,7 +244,7 @@ def test_resume_overrides_only_optimisation_fields_and_growth_wait_returns(gener
     run = tmp_path / "run"
     dd.train_stage(run, cfg=small_cfg(), max_steps=2, **args)
     dd.train_stage(run, max_steps=3, overrides={"lr": 1e-4, "max_tokens": 32}, **args)
-    state = torch.load(run / "ckpt.pt", weights_only=False)
+    state = torch.load(run / "ckpt.pt", weights_only=True)
     assert state["train_config"]["lr"] == 1e-4 and state["train_config"]["max_tokens"] == 32
     with pytest.raises(ValueError, match="fixed by the checkpoint"):
         dd.train_stage(run, max_steps=4, overrides={"dim": 32}, **args)
@@ -282,9 +281,9 @@ def test_one_command_runs_the_whole_pipeline(target_dir, tmp_path):
     assert len(keys_of(tmp_path / "data")) == len(dd.work_items(PROMPTS, 3, 0.7))  # every train prompt answered
     draft = Transformer.from_pretrained(out)
     assert draft.config.head_vocab_size == 20 and draft.tokenizer.fingerprint == load_tokenizer(target_dir).fingerprint
-    step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"]
+    step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"]
     assert dd.main(argv) == 0  # again: nothing left to generate, training resumes from its checkpoint
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] > step
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] > step
 
 
 def test_an_interrupted_generate_keeps_its_finished_sequences(target_dir, tmp_path, monkeypatch):
