@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,12 +42,16 @@ def load_checkpoint(path: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no training checkpoint there; run `python tools/distill_draft.py train` first")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise _unusable(path, "holds Python objects other than tensors, numbers, strings and containers, so it is "
-                              "not loaded (unpickling them could run code)") from None
-    except Exception as e:  # a damaged file raises anything: RuntimeError, EOFError, IndexError, ...
-        raise _unusable(path, f"not a readable training checkpoint ({type(e).__name__})") from None
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses anyway
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file raises anything: UnpicklingError, RuntimeError, EOFError, IndexError...
+        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))  # torch names what it refused
+        if found:
+            raise _unusable(path, f"holds a Python object ({found[1]}) other than tensors, numbers, strings and "
+                                  "containers, so it is not loaded (unpickling it could run code)") from None
+        raise _unusable(path, f"not a readable training checkpoint ({type(e).__name__}; only what "
+                              "torch.load(weights_only=True) accepts is read)") from None
     missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
     if missing:
         raise _unusable(path, f"not a training checkpoint of this tool (missing {missing})")
