@@ -11,7 +11,6 @@ pickled object whose __reduce__ would run code, say) is refused with a
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import warnings
 from pathlib import Path

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minispec import ModelConfig, Transformer
+from minispec import CheckpointError, ModelConfig, Transformer
 from minispec.tokenizer import load_tokenizer
 
 from .checkpoint import CKPT_NAME, draft_from_checkpoint, load_checkpoint, save_checkpoint
@@ -178,7 +178,10 @@ class Run:
 def resume_run(ckpt_path: Path, overrides: dict | None, device: str | None) -> Run:
     """The run saved in ckpt_path, with `overrides` (OPTIM_FIELDS only) applied; the RNG continues where it was."""
     state = load_checkpoint(ckpt_path)
-    cfg = TrainConfig(**state["train_config"])
+    try:
+        cfg = TrainConfig(**state["train_config"])
+    except TypeError as e:
+        raise CheckpointError(f"{ckpt_path}: its train_config cannot be used ({e}); delete it and train again") from None
     for name, value in (overrides or {}).items():
         if name not in OPTIM_FIELDS:
             raise ValueError(f"{name} is fixed by the checkpoint {ckpt_path}; only {OPTIM_FIELDS} can change on resume")
