@@ -382,6 +382,9 @@ def test_a_checkpoint_is_checked_before_its_draft_is_built(generated, target_dir
     torch.save(dict(good, train_config={**good["train_config"], "not_a_field": 1}), run / "ckpt.pt")
     with pytest.raises(CheckpointError, match="train_config cannot be used"):
         dd.train_stage(run, max_steps=2, **args)
+    torch.save(dict(good, step="3"), run / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="step of the wrong type"):
+        dd.train_stage(run, max_steps=2, **args)
     torch.save({k: v for k, v in good.items() if k != "rng"}, run / "ckpt.pt")
     with pytest.raises(CheckpointError, match=r"missing \['rng'\]"):
         dd.train_stage(run, max_steps=2, **args)

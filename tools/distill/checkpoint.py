@@ -20,7 +20,9 @@ import torch
 from minispec import CheckpointError, ModelConfig, Transformer
 
 CKPT_NAME = "ckpt.pt"
-KEYS = ("model", "optimizer", "step", "epoch", "order", "pos", "best", "rng", "model_config", "train_config")
+TYPES = {"model": dict, "optimizer": dict, "step": int, "epoch": int, "order": (list, type(None)), "pos": int,
+         "best": (float, int), "rng": torch.Tensor, "model_config": dict, "train_config": dict}  # what ckpt.pt holds
+KEYS = tuple(TYPES)
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -31,7 +33,8 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)  # an interrupted save leaves the previous checkpoint intact
 
 
-def _unusable(path: Path, why: str) -> CheckpointError:
+def unusable(path: Path, why: str) -> CheckpointError:
+    """The error for a checkpoint that cannot be used: what is wrong, and what to do."""
     return CheckpointError(f"{path}: {why}; delete it and train again")
 
 
@@ -47,13 +50,16 @@ def load_checkpoint(path: str | Path) -> dict:
     except Exception as e:  # a damaged file raises anything: UnpicklingError, RuntimeError, EOFError, IndexError...
         found = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))  # torch names what it refused
         if found:
-            raise _unusable(path, f"holds a Python object ({found[1]}) other than tensors, numbers, strings and "
+            raise unusable(path, f"holds a Python object ({found[1]}) other than tensors, numbers, strings and "
                                   "containers, so it is not loaded (unpickling it could run code)") from None
-        raise _unusable(path, f"not a readable training checkpoint ({type(e).__name__}; only what "
+        raise unusable(path, f"not a readable training checkpoint ({type(e).__name__}; only what "
                               "torch.load(weights_only=True) accepts is read)") from None
     missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
     if missing:
-        raise _unusable(path, f"not a training checkpoint of this tool (missing {missing})")
+        raise unusable(path, f"not a training checkpoint of this tool (missing {missing})")
+    wrong = [k for k, t in TYPES.items() if not isinstance(state[k], t)]
+    if wrong:
+        raise unusable(path, f"not a training checkpoint of this tool ({', '.join(wrong)} of the wrong type)")
     return state
 
 
@@ -62,7 +68,7 @@ def draft_from_checkpoint(state: dict, path: str | Path) -> Transformer:
     meta device, which allocates nothing) before the draft is built: an absurd config fails at once."""
     weights = state["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise _unusable(path, "its model entry is not a dict of tensors")
+        raise unusable(path, "its model entry is not a dict of tensors")
     try:
         config = ModelConfig.from_dict(state["model_config"], source=f"{path} (model_config)")
         if not 0 < config.n_layers <= len(weights):  # checked before any layer is built, even on meta
@@ -70,10 +76,10 @@ def draft_from_checkpoint(state: dict, path: str | Path) -> Transformer:
         with torch.device("meta"):
             expected = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     except (ValueError, TypeError) as e:
-        raise _unusable(path, f"its model_config cannot be used ({e})") from None
+        raise unusable(path, f"its model_config cannot be used ({e})") from None
     wrong = sorted(set(expected) ^ set(weights)) or [k for k in expected if tuple(weights[k].shape) != expected[k]]
     if wrong:
-        raise _unusable(path, f"its model_config does not match the tensors it holds (e.g. {wrong[0]})")
+        raise unusable(path, f"its model_config does not match the tensors it holds (e.g. {wrong[0]})")
     draft = Transformer(config)
     draft.load_state_dict(weights)
     return draft

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minispec import CheckpointError, ModelConfig, Transformer
+from minispec import ModelConfig, Transformer
 from minispec.tokenizer import load_tokenizer
 
-from .checkpoint import CKPT_NAME, draft_from_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CKPT_NAME, draft_from_checkpoint, load_checkpoint, save_checkpoint, unusable
 from .common import DATA, LABELS, TARGET, TOPK, DataError, log
 from .data import Example, is_validation, load_examples, n_tokens
 from .draft import build_draft, draft_head_logits, export_draft, load_exported_draft
@@ -181,7 +181,7 @@ def resume_run(ckpt_path: Path, overrides: dict | None, device: str | None) -> R
     try:
         cfg = TrainConfig(**state["train_config"])
     except TypeError as e:
-        raise CheckpointError(f"{ckpt_path}: its train_config cannot be used ({e}); delete it and train again") from None
+        raise unusable(ckpt_path, f"its train_config cannot be used ({e})") from None
     for name, value in (overrides or {}).items():
         if name not in OPTIM_FIELDS:
             raise ValueError(f"{name} is fixed by the checkpoint {ckpt_path}; only {OPTIM_FIELDS} can change on resume")
