@@ -1,11 +1,15 @@
-"""tools/distill_draft.py on a tiny random target: generation resumes without duplicates and matches
+"""tools/distill_draft.py (the package tools/distill/) on a tiny random target: generation resumes without duplicates and matches
 `generate`, training resumes bit-for-bit from its checkpoint, the exported draft loads and shares the
 target's tokenizer, and the greedy round replay counts rounds as speculation does."""
 
 from __future__ import annotations
 
 import json
+import pickle
+import re
+import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-import distill_draft as dd  # noqa: E402
-from minispec import ModelConfig, Transformer  # noqa: E402
+import distill as dd  # noqa: E402
+from minispec import CheckpointError, ModelConfig, Transformer  # noqa: E402
 from minispec.tokenizer import load_tokenizer  # noqa: E402
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", "You", "are", "a", "helpful",
@@ -136,11 +140,11 @@ def test_train_resumes_exactly_and_exports_a_loadable_draft(generated, target_di
     dd.train_stage(straight, cfg=small_cfg(), max_steps=8, **args)
     resumed = tmp_path / "resumed"
     dd.train_stage(resumed, cfg=small_cfg(), max_steps=3, **args)
-    first = torch.load(resumed / "ckpt.pt", weights_only=False)
+    first = torch.load(resumed / "ckpt.pt", weights_only=True)
     assert first["step"] == 3
     dd.train_stage(resumed, cfg=None, max_steps=8, export_to=tmp_path / "draft", **args)
-    a = torch.load(straight / "ckpt.pt", weights_only=False)
-    b = torch.load(resumed / "ckpt.pt", weights_only=False)
+    a = torch.load(straight / "ckpt.pt", weights_only=True)
+    b = torch.load(resumed / "ckpt.pt", weights_only=True)
     assert a["step"] == b["step"] == 8
     for name in a["model"]:
         torch.testing.assert_close(a["model"][name], b["model"][name], rtol=0, atol=0, msg=name)
@@ -167,7 +171,7 @@ def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_p
     # the architecture comes from the draft, whatever the config says; training goes on from its weights
     dd.train_stage(tmp_path / "second", cfg=dd.TrainConfig(dim=8, head_vocab=10, warmup=2, max_tokens=64), max_steps=1,
                    init_from=tmp_path / "draft", **args)
-    state = torch.load(tmp_path / "second" / "ckpt.pt", weights_only=False)
+    state = torch.load(tmp_path / "second" / "ckpt.pt", weights_only=True)
     assert state["step"] == 1 and state["train_config"]["dim"] == 16 and state["train_config"]["head_vocab"] == 20
     assert torch.equal(state["model"]["head_ids"], exported.head_ids)
     w0, w1 = exported.state_dict()["layers.0.mlp.up_proj.weight"], state["model"]["layers.0.mlp.up_proj.weight"]
@@ -178,18 +182,18 @@ def test_a_new_run_can_start_from_an_exported_draft(generated, target_dir, tmp_p
         dd.train_stage(tmp_path / "third", max_steps=1, init_from=tmp_path / "not_a_draft", **args)
 
 
-def test_a_stop_request_ends_training_with_a_checkpoint(generated, target_dir, tmp_path, monkeypatch):
-    """SIGTERM / Ctrl-C during `train` (distill_draft._request_stop) finish the step, checkpoint and return."""
+def test_a_stop_request_ends_training_with_a_checkpoint(generated, target_dir, tmp_path):
+    """SIGTERM / Ctrl-C during `train` (a StopRequest as the handler) finish the step, checkpoint and return."""
     root, _, _ = generated
     torch.set_num_threads(1)
-    monkeypatch.setattr(dd, "STOP_REQUESTED", False)
-    dd._request_stop(15, None)
-    assert dd.STOP_REQUESTED
+    stop = dd.StopRequest()
+    stop(15, None)
+    assert stop.requested
     dd.train_stage(tmp_path / "run", root / "data", root / "labels", str(target_dir), small_cfg(), max_steps=50,
-                   progress=False, export_to=None)
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] == 1
+                   progress=False, export_to=None, stop=stop)
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] == 1
     with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
-        dd._request_stop(15, None)
+        stop(15, None)
 
 
 def test_simulate_greedy_rounds():
@@ -229,7 +233,6 @@ def test_measure_replay_agrees_with_speculate(target_dir, tmp_path):
     res = dd.measure_stage(str(target_dir), str(tmp_path / "draft"), prompts, n_prompts=6, k=3, max_new_tokens=10,
                            cost_repeats=4)
     rep, spec = res["replay"], res["speculate"]
-    assert "error" not in spec, spec
     assert spec["matches_greedy"]
     assert 0.2 < rep["acceptance_rate"] < 0.95 and rep["tokens_per_round"] > 1  # both kinds of round happen
     # same greedy text, same proposals: the same number of rounds and of accepted tokens
@@ -245,7 +248,7 @@ def test_resume_overrides_only_optimisation_fields_and_growth_wait_returns(gener
     run = tmp_path / "run"
     dd.train_stage(run, cfg=small_cfg(), max_steps=2, **args)
     dd.train_stage(run, max_steps=3, overrides={"lr": 1e-4, "max_tokens": 32}, **args)
-    state = torch.load(run / "ckpt.pt", weights_only=False)
+    state = torch.load(run / "ckpt.pt", weights_only=True)
     assert state["train_config"]["lr"] == 1e-4 and state["train_config"]["max_tokens"] == 32
     with pytest.raises(ValueError, match="fixed by the checkpoint"):
         dd.train_stage(run, max_steps=4, overrides={"dim": 32}, **args)
@@ -282,9 +285,9 @@ def test_one_command_runs_the_whole_pipeline(target_dir, tmp_path):
     assert len(keys_of(tmp_path / "data")) == len(dd.work_items(PROMPTS, 3, 0.7))  # every train prompt answered
     draft = Transformer.from_pretrained(out)
     assert draft.config.head_vocab_size == 20 and draft.tokenizer.fingerprint == load_tokenizer(target_dir).fingerprint
-    step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"]
+    step = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"]
     assert dd.main(argv) == 0  # again: nothing left to generate, training resumes from its checkpoint
-    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["step"] > step
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["step"] > step
 
 
 def test_an_interrupted_generate_keeps_its_finished_sequences(target_dir, tmp_path, monkeypatch):
@@ -306,3 +309,117 @@ def test_an_interrupted_generate_keeps_its_finished_sequences(target_dir, tmp_pa
     n = dd.generate_stage(target, PROMPTS, tmp_path / "data", tmp_path / "labels", batch=2, max_new_tokens=12,
                           refill=1, progress=False)
     assert n + len(kept) == len(dd.work_items(PROMPTS, 3, 0.7))  # the rest, once each
+
+
+class Payload:
+    """What a hostile pickle can hold: unpickling it creates the file `marker` (it could as well run anything)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def unpickled_plainly(data: bytes, marker: Path) -> bool:
+    """The negative control: plain pickle.loads of the same bytes does run the payload."""
+    pickle.loads(data)
+    return marker.exists()
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert "weights_only=False" not in err[0]  # never pass on torch's advice to load unsafely
+    return err[0]
+
+
+@pytest.mark.parametrize("writer, refusal", [("torch.save", r"holds a Python object \(\S*open\)"),
+                                             ("pickle", "not a readable training checkpoint")])
+def test_a_hostile_checkpoint_is_refused_by_resume_and_export_and_never_runs(generated, target_dir, tmp_path, capsys,
+                                                                             writer, refusal):
+    root, _, _ = generated
+    marker, run = tmp_path / "pwned", tmp_path / "run"
+    run.mkdir()
+    state = {k: 0 for k in dd.checkpoint.KEYS} | {"model": Payload(marker)}
+    ckpt = run / "ckpt.pt"
+    if writer == "torch.save":
+        torch.save(state, ckpt)
+        with zipfile.ZipFile(ckpt) as z:  # the pickle inside torch's zip (no tensors: no persistent ids)
+            raw = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    else:
+        ckpt.write_bytes(pickle.dumps(state))
+        raw = ckpt.read_bytes()
+    refused = rf"ckpt\.pt: {refusal}.*; delete it and train again$"
+    with pytest.raises(CheckpointError, match=refused):  # resuming `train`
+        dd.train_stage(run, root / "data", root / "labels", str(target_dir), small_cfg(), max_steps=1, progress=False)
+    with pytest.raises(CheckpointError, match=refused):
+        dd.load_checkpoint(ckpt)
+    common = ["--run", str(run), "--target", str(target_dir)]
+    assert dd.main(["export", *common, "--out", str(tmp_path / "draft")]) == 1
+    assert re.search(refused, one_error_line(capsys))
+    assert dd.main(["train", *common, "--data", str(root / "data"), "--labels", str(root / "labels"),
+                    "--max-steps", "1", "--export", ""]) == 1
+    assert re.search(refused, one_error_line(capsys))
+    assert not marker.exists() and not (tmp_path / "draft").exists()
+    assert unpickled_plainly(raw, marker)  # the payload was live all along
+
+
+def test_a_checkpoint_is_checked_before_its_draft_is_built(generated, target_dir, tmp_path):
+    """A checkpoint weights_only can load but whose config does not fit its tensors (10**9 layers, another width),
+    that lacks entries, or that is not a checkpoint at all: a CheckpointError at once, nothing allocated."""
+    root, _, _ = generated
+    run = tmp_path / "run"
+    args = dict(data_dir=root / "data", labels_dir=root / "labels", target_path=str(target_dir), progress=False)
+    dd.train_stage(run, cfg=small_cfg(), max_steps=1, **args)
+    good = torch.load(run / "ckpt.pt", weights_only=True)
+    for change, message in [({"n_layers": 10**9}, "model_config cannot be used"),
+                            ({"dim": 32}, "does not match the tensors it holds")]:
+        bad = dict(good, model_config={**good["model_config"], **change})
+        torch.save(bad, run / "ckpt.pt")
+        with pytest.raises(CheckpointError, match=message):
+            dd.train_stage(run, max_steps=2, **args)
+    torch.save(dict(good, train_config={**good["train_config"], "not_a_field": 1}), run / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="train_config cannot be used"):
+        dd.train_stage(run, max_steps=2, **args)
+    torch.save(dict(good, step="3"), run / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="step of the wrong type"):
+        dd.train_stage(run, max_steps=2, **args)
+    torch.save({k: v for k, v in good.items() if k != "rng"}, run / "ckpt.pt")
+    with pytest.raises(CheckpointError, match=r"missing \['rng'\]"):
+        dd.train_stage(run, max_steps=2, **args)
+    (run / "ckpt.pt").write_bytes(b"not a checkpoint at all" * 10)
+    with pytest.raises(CheckpointError, match="not a readable training checkpoint"):
+        dd.train_stage(run, max_steps=2, **args)
+    torch.save(good, run / "ckpt.pt")  # the control: the unchanged checkpoint resumes
+    dd.train_stage(run, max_steps=2, **args)
+    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 2
+
+
+def test_hostile_shards_and_labels_are_refused_unread(generated, target_dir, tmp_path, capsys):
+    """Shards and soft labels are read with allow_pickle=False: pickled object arrays are refused, never run."""
+    root, target, _ = generated
+    marker = tmp_path / "pwned"
+    data, labels = tmp_path / "data", tmp_path / "labels"
+    shutil.copytree(root / "data", data)
+    shutil.copytree(root / "labels", labels)
+    shard = dd.shard_paths(data)[0]
+    with np.load(shard) as z:
+        clean = {k: z[k] for k in z.files}
+    np.savez(shard, **(clean | {"prompt_id": np.array([Payload(marker)], dtype=object)}))
+    with pytest.raises(dd.DataError, match=r"gen-00000\.npz: not a distillation shard of plain arrays.*regenerate"):
+        dd.load_examples(data, labels, target_path=None)
+    with pytest.raises(dd.DataError, match="not a distillation shard"):
+        dd.generate_stage(target, PROMPTS, data, labels, progress=False)
+    assert dd.main(["train", "--run", str(tmp_path / "run"), "--target", str(target_dir), "--data", str(data),
+                    "--labels", str(labels), "--max-steps", "1", "--export", ""]) == 1
+    assert "not a distillation shard" in one_error_line(capsys)
+    np.savez(shard, **clean)
+    label_file = dd.labels_path(labels, shard)
+    np.savez(label_file, ids=np.array([Payload(marker)], dtype=object), logp=np.zeros(1))
+    with pytest.raises(dd.DataError, match=r"labels\.npz: not a soft-label file of plain arrays.*to recompute it"):
+        dd.load_examples(data, labels, target_path=None)
+    assert not marker.exists()
+    with np.load(label_file, allow_pickle=True) as z:  # the control: with pickles allowed the payload runs
+        z["ids"]
+    assert marker.exists()
