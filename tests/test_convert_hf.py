@@ -154,6 +154,28 @@ def test_tokenizer_files_are_copied_and_special_ids_read(tmp_path):
     assert (cfg.bos_id, cfg.eos_id) == (0, 3)
 
 
+def test_chat_template_jinja_survives_convert_and_export(tmp_path):
+    """transformers keeps the chat template in chat_template.jinja: it must reach the minispec checkpoint, load
+    as the tokenizer's template, and come back out of export_hf."""
+    from minispec.tokenizer import load_tokenizer
+
+    hf = make_hf("llama")
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    (src / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": [],
+                                                    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "a": 1},
+                                                              "unk_token": "<unk>"}}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (src / "chat_template.jinja").write_text(template)
+    convert(src, tmp_path / "ms", progress=False)
+    assert (tmp_path / "ms" / "chat_template.jinja").read_text() == template
+    tok = load_tokenizer(tmp_path / "ms")
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}], add_generation_prompt=False) == "<user>a"
+    export(tmp_path / "ms", tmp_path / "back", progress=False)
+    assert (tmp_path / "back" / "chat_template.jinja").read_text() == template
+
+
 # ---- export ----
 
 EXPORT_CASES = {
