@@ -61,7 +61,8 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
     engines = {(r["engine"], r["batch"], r["k"], r["temperature"]) for r in res["rows"]}
     assert ("minispec target-only", 1, None, 0.0) in engines and ("minispec speculate", 1, "auto", 0.7) in engines
     assert ("transformers assisted generation", 1, "hf", 0.0) in engines
-    assert ("minispec speculate", 2, 4, 0.0) in engines
+    assert ("minispec speculate", 2, "auto", 0.0) in engines
+    assert {r["phase"] for r in res["rows"] if r["engine"].startswith("transformers")} == {2}  # a phase of its own
     assert all(r["tok_s"] > 0 for r in res["rows"])
     spec2 = next(r for r in res["rows"] if r["engine"] == "minispec speculate" and r["k"] == 2 and r["temperature"] == 0)
     assert 1.0 <= spec2["measured_per_round"] <= 3.0 and spec2["predicted_per_round"] >= 1.0

@@ -112,6 +112,26 @@ BENCH_PROMPTS = [  # chat prompts never used to train the draft (tools/distill_p
 ]
 
 
+# coding and chat prompts for the Qwen2.5-Coder pair; no test uses them
+CODER_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Implement binary search over a sorted list in Python and explain its time complexity.",
+    "Write a SQL query that returns the five customers with the highest total order value.",
+    "Explain the difference between a process and a thread, with a short example in C.",
+    "Write a JavaScript function that debounces another function.",
+    "Refactor this loop into a list comprehension: result = []\nfor x in data:\n    if x % 2 == 0:\n        result.append(x * x)",
+    "What is a Python decorator? Show one that times a function call.",
+    "Write a bash script that counts the lines of every .py file in a directory tree and prints the total.",
+]
+
+# name -> (target dir, draft dir, prompts, the GGUF files both were converted from, or None)
+PAIRS = {
+    "smollm2": ("weights/smollm2-135m-instruct", "weights/smollm2-135m-draft", BENCH_PROMPTS, None),
+    "coder": ("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct", CODER_PROMPTS,
+              ("weights/gguf/qwen2.5-coder-1.5b-instruct.gguf", "weights/gguf/qwen2.5-coder-0.5b-instruct.gguf")),
+}
+
+
 def merge_stats(stats: list):
     """One SpeculativeStats for several runs (SpeculativeStats.combined), or None when none of them speculated."""
     from minispec.speculative import SpeculativeStats
@@ -131,15 +151,18 @@ def process_memory_mb(code: str) -> tuple[float, float]:
 
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
-               quick: bool = False) -> dict:
+               quick: bool = False, texts=BENCH_PROMPTS, ggufs: tuple[str, str] | None = None,
+               with_llama: bool = True) -> dict:
     from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
-    prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
+    messages = [[{"role": "user", "content": p}] for p in texts]
+    prompts = [target.tokenizer.encode_chat(m) for m in messages]
     rows = []
 
     plan = []  # (row, parts): every contender is registered first, then all run interleaved
+    phase = [1]  # contenders that cannot share the memory run in a later phase, beside target-only again
 
     def measure(name: str, parts, batch: int = 1, k=None, temperature: float = 0.0):
         """Register a contender as parts (one per bench prompt, or one for a batch), each part() -> (new token
@@ -167,15 +190,15 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                     parts = plan[i][1]
                     if u < len(parts):
                         t = time.perf_counter()
-                        n, s_ = parts[u]()
-                        secs[i] += time.perf_counter() - t
+                        n, s_, *own = parts[u]()  # an outside engine reports its own seconds (no process start-up)
+                        secs[i] += own[0] if own else time.perf_counter() - t
                         tokens[i] += n
                         st[i].append(s_)
             for i in range(len(plan)):
                 rates[i].append(tokens[i] / secs[i])
                 stats[i] = merge_stats(st[i])
         for (row, _), rs, st in zip(plan, rates, stats):
-            row.update(tok_s=statistics.median(rs), runs=rs)
+            row.update(tok_s=statistics.median(rs), runs=rs, phase=phase[0])
             if st is not None:
                 a = st.acceptance_rate
                 k = row["k"]
@@ -186,6 +209,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             print(f"  {row['engine']:<34} batch {row['batch']:>2}  k={str(row['k']):<5} T={row['temperature']:<4} "
                   f"{row['tok_s']:7.1f} tok/s" + (f"  acc {row['acceptance']:.2f}  {row['measured_per_round']:.2f}/round"
                                                   if st is not None else ""), file=sys.stderr, flush=True)
+        plan.clear()
+        phase[0] += 1
 
     def over_prompts(run_one):
         """One part per bench prompt."""
@@ -230,10 +255,50 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft)
 
-    if with_hf:
+    if with_llama and ggufs is not None:
+        bin_dir = llama_cpp_bin()
+        if bin_dir is None:
+            print("llama.cpp is not built (python tools/llama_cpp.py): its rows are skipped", file=sys.stderr)
+        else:
+            chat = [target.tokenizer.apply_chat_template(m) for m in messages]
+            for label, (tg, dg) in (("F32", tuple(f32_gguf(bin_dir, g) for g in ggufs)), ("shipped", ggufs)):
+                for temperature in (0.0, 0.7):
+                    measure(f"llama.cpp completion ({label})",
+                            llama_parts(bin_dir, chat, new_tokens, threads, temperature, tg), temperature=temperature)
+                    measure(f"llama.cpp speculative ({label})",
+                            llama_parts(bin_dir, chat, new_tokens, threads, temperature, tg, dg), k="llama",
+                            temperature=temperature)
+
+    for bsz in batch_sizes:
+        if bsz == 1:
+            continue
+        batch = [prompts[i % len(prompts)] for i in range(bsz)]
+
+        def gen_b(batch=batch):
+            out = target.generate(batch, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+            return sum(map(len, out)), None
+
+        def spec_b(batch=batch):
+            res = target.speculate(draft, batch, k="auto", max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+            return sum(map(len, res.tokens)), res.stats
+        measure("minispec target-only", [gen_b], batch=bsz)
+        measure("minispec speculate", [spec_b], batch=bsz, k="auto")
+
+    run_plan()
+
+    if with_hf:  # its own phase: transformers' copies of both models do not fit in memory beside the rest
         from transformers import AutoModelForCausalLM
-        hf_target = AutoModelForCausalLM.from_pretrained(_exported(target_dir), dtype=torch.float32).eval()
-        hf_draft = AutoModelForCausalLM.from_pretrained(_exported(draft_dir), dtype=torch.float32).eval()
+        if ggufs is not None:  # loaded by transformers from the same GGUF files minispec converted
+            load = lambda g: AutoModelForCausalLM.from_pretrained(str(Path(g).parent), gguf_file=Path(g).name,  # noqa: E731
+                                                                  dtype=torch.float32).eval()
+            hf_target, hf_draft = load(ggufs[0]), load(ggufs[1])
+        else:
+            hf_target = AutoModelForCausalLM.from_pretrained(_exported(target_dir), dtype=torch.float32).eval()
+            hf_draft = AutoModelForCausalLM.from_pretrained(_exported(draft_dir), dtype=torch.float32).eval()
+        measure("minispec target-only", gen(0.0))
+        measure("minispec target-only", gen(0.7), temperature=0.7)
+        measure("minispec speculate", spec(draft, "auto", 0.0), k="auto")
+        measure("minispec speculate", spec(draft, "auto", 0.7), k="auto", temperature=0.7)
 
         def hf_gen(assistant, temperature):
             def one(ids, i):
@@ -251,23 +316,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         measure("transformers generate", hf_gen(None, 0.0))
         measure("transformers assisted generation", hf_gen(hf_draft, 0.0), k="hf")
         measure("transformers assisted generation", hf_gen(hf_draft, 0.7), k="hf", temperature=0.7)
-
-    for bsz in batch_sizes:
-        if bsz == 1:
-            continue
-        batch = [prompts[i % len(prompts)] for i in range(bsz)]
-
-        def gen_b(batch=batch):
-            out = target.generate(batch, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
-            return sum(map(len, out)), None
-
-        def spec_b(batch=batch):
-            res = target.speculate(draft, batch, k=4, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
-            return sum(map(len, res.tokens)), res.stats
-        measure("minispec target-only", [gen_b], batch=bsz)
-        measure("minispec speculate", [spec_b], batch=bsz, k=4)
-
-    run_plan()
+        run_plan()
+        del hf_target, hf_draft
 
     load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
             f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
@@ -284,6 +334,60 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     if plot:
         plot_spec(res, plot)
     return res
+
+
+def llama_cpp_bin() -> Path | None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_cpp import bin_dir
+    return bin_dir()
+
+
+def f32_gguf(bin_dir: Path, gguf: str) -> str:
+    """The GGUF requantized to F32 by llama.cpp's own tool (made once, beside its build): every weight
+    dequantized, so llama.cpp computes with exactly the fp32 weights minispec converted."""
+    out = bin_dir.parent.parent / "gguf-f32" / (Path(gguf).stem + "-f32.gguf")
+    if not out.is_file():
+        import subprocess
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", gguf, str(tmp), "F32"], check=True,
+                       capture_output=True)
+        tmp.replace(out)
+    return str(out)
+
+
+def llama_parts(bin_dir: Path, chats: list[str], new_tokens: int, threads: int, temperature: float, target: str,
+                draft: str | None = None):
+    """One part per prompt: llama.cpp's plain decoding (llama-completion) or, with a draft, its speculative
+    decoding (llama-speculative, its default draft settings); the prompt is the chat-rendered text. Returns
+    (tokens, None, seconds) with seconds as llama.cpp reports them: prompt processing plus generation,
+    not the process start or the model load."""
+    import re
+    import subprocess
+    import tempfile
+
+    def one(text: str, i: int):
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        common = ["-m", target, "-f", f.name, "-n", str(new_tokens), "--ignore-eos", "-t", str(threads),
+                  "--temp", str(temperature), "-s", str(i), "-c", "4096", "--no-warmup"]
+        if draft is None:
+            cmd = [str(bin_dir / "llama-completion"), *common, "-no-cnv"]
+        else:
+            cmd = [str(bin_dir / "llama-speculative"), *common, "-md", draft, "-td", str(threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        Path(f.name).unlink()
+        log = out.stdout + out.stderr
+        if out.returncode:
+            raise RuntimeError(f"{cmd[0]} failed ({out.returncode}): {log[-500:]}")
+        if draft is None:
+            ms = [float(m) for m in re.findall(r"eval time =\s*([\d.]+) ms", log)[-2:]]  # prompt eval, then eval
+            n = int(re.findall(r"eval time =\s*[\d.]+ ms /\s*(\d+) runs", log)[-1])
+            return n + 1, None, sum(ms) / 1e3  # the first token comes out of the prompt pass
+        enc = float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
+        dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        return int(dec.group(1)), None, enc + float(dec.group(2))
+    return [lambda text=text, i=i: one(text, i) for i, text in enumerate(chats)]
 
 
 def _exported(src: str) -> str:
@@ -316,13 +420,15 @@ def predicted_speedup(res: dict, row: dict) -> float | None:
 def spec_table(res: dict) -> str:
     from minispec.speculative import GREEDY_HEAD_CHUNK
     res = {**res, **{key: {int(k): v for k, v in res[key].items()} for key in ("verify_cost", "trunk_cost")}}  # JSON keys
-    base = {(r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"] if r["engine"] == "minispec target-only"}
+    # each row against minispec target-only measured in the same phase (interleaved with it)
+    base = {(r.get("phase", 1), r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"]
+            if r["engine"] == "minispec target-only"}
     lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | acceptance "
              "| tokens/round measured | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in res["rows"]:
-        ref = base.get((r["batch"], r["temperature"]))
+        ref = base.get((r.get("phase", 1), r["batch"], r["temperature"]))
         k = r["k"] if not str(r["k"]).startswith("auto") or r.get("mean_k") is None else f"{r['k']} ({r['mean_k']:.1f})"
         model = predicted_speedup(res, r)
         lines.append(f"| {r['engine']} | {r['batch']} | {'' if k is None else k} | {r['temperature']} | {r['tok_s']:.1f} | "
@@ -377,8 +483,11 @@ def plot_spec(res: dict, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["core", "spec"], nargs="?", default="spec")
-    ap.add_argument("--target", default="weights/smollm2-135m-instruct")
-    ap.add_argument("--draft", default="weights/smollm2-135m-draft")
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="smollm2",
+                    help="smollm2 (the default) or coder: Qwen2.5-Coder-1.5B drafted by its 0.5B (make weights-coder)")
+    ap.add_argument("--target", default=None, help="the target checkpoint (default: the pair's)")
+    ap.add_argument("--draft", default=None, help="the draft checkpoint (default: the pair's)")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (coder pair; built by `make bench`)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the spec benchmark")
     ap.add_argument("--quick", action="store_true", help="fewer k values at T=0.7")
     ap.add_argument("--plot", default=None, help="write the spec benchmark's plot to this PNG")
@@ -391,10 +500,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
     if args.which == "spec":
-        res = bench_spec(args.target, args.draft, args.new_tokens, args.repeats, args.threads,
+        target, draft, texts, ggufs = PAIRS[args.pair]
+        res = bench_spec(args.target or target, args.draft or draft, args.new_tokens, args.repeats, args.threads,
                          ks=tuple(int(k) for k in args.ks.split(",")),
                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), with_hf=not args.no_hf,
-                         plot=args.plot, quick=args.quick)
+                         plot=args.plot, quick=args.quick, texts=texts, ggufs=ggufs, with_llama=not args.no_llama)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
     else:
         res = bench_core(args.new_tokens, args.repeats, args.threads)
