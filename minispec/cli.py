@@ -7,7 +7,8 @@
 Each subcommand is an entry in COMMANDS: a function adding its arguments to an argparse
 parser and a function running it, returning the exit status. Adding one is a few lines.
 Bad arguments exit with status 2 (argparse's convention); failures while running (a
-checkpoint that does not load, ...) print `error: ...` and exit with status 1.
+checkpoint that does not load, a device that is not there, ...) print one line
+`error: ...` and exit with status 1. A traceback means a bug in minispec.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+from .errors import one_line
 
 PROMPT_LOOKUP = "prompt-lookup"
 
@@ -66,6 +69,36 @@ def _draft(s: str) -> str:
     return s if s == PROMPT_LOOKUP else _checkpoint_dir(s)
 
 
+def _int_in(lo: int, hi: int):
+    def parse(s: str) -> int:
+        v = _int_at_least(lo)(s)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{v} is more than {hi}")
+        return v
+    return parse
+
+
+def device_argument(s: str) -> str:
+    """A device torch can use here: "potato" or "cuda" on a machine without CUDA are argparse errors."""
+    import torch
+    try:
+        dev = torch.device(s)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
+    if dev.type == "cpu":
+        return s
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if dev.type == "meta" or backend is None or not hasattr(backend, "is_available"):
+        raise argparse.ArgumentTypeError(f"device {s!r} cannot run a model here; use cpu or cuda")
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"device {s!r} is not available on this machine (torch "
+                                         f"{torch.__version__} sees no {dev.type}); use --device cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if dev.index is not None and dev.index >= count:
+        raise argparse.ArgumentTypeError(f"device {s!r} does not exist: this machine has {count} {dev.type} device(s)")
+    return s
+
+
 def _device(s: str | None) -> str:
     if s is not None:
         return s
@@ -91,8 +124,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_int_at_least(1), default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens (default 0)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="the same seed gives the same tokens (default 0)")
+    p.add_argument("--device", type=device_argument, default=None,
+                   help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
 
 
@@ -205,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory() -> tuple[type[BaseException], ...]:
+    """The out-of-memory errors (Python's and torch's allocators'); only called once an exception reached them."""
+    import torch
+    return MemoryError, torch.OutOfMemoryError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -213,5 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     except (CLIError, ValueError, OSError) as e:  # checkpoint, tokenizer and argument-value errors say what to do
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except _out_of_memory() as e:  # evaluated only when an exception gets this far: --help needs no torch
+        print(f"error: out of memory ({one_line(e)}); try --dtype bfloat16, a smaller --max-new-tokens, "
+              "or another --device", file=sys.stderr)
         return 1
