@@ -41,7 +41,7 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 # safetensors dtype tag -> torch dtype, for the weights minispec computes with; head_ids (a subset head's ids) is I64
 WEIGHT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+_LAYER = re.compile(r"^layers\.(\d{1,9})\.")  # a longer index is no layer of any real model: an unexpected tensor
 
 
 class CheckpointError(InputError):
@@ -85,10 +85,10 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def expected_tensors(cls, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes a checkpoint of `cfg` holds, found without building cfg.n_layers layers.
 
-    `shapes` are the file's tensors (from its header). The file's layer count is compared with the
-    config's first, so a config that claims more layers than the file holds is refused before any
-    work proportional to cfg.n_layers; then a one-layer model of `cls` on the meta device (no memory)
-    gives the shapes, its layer repeated n_layers times.
+    `shapes` are the file's tensors (from its header). A one-layer model of `cls` on the meta device
+    gives the shapes (no memory); the config's layer count is compared with the file's before that
+    layer's names are repeated n_layers times, so a config that claims more layers than the file
+    holds (10**9) is refused before any work proportional to its claim.
     """
     with torch.device("meta"):
         one = expected_shapes(cls(dataclasses.replace(cfg, n_layers=1)))

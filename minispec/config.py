@@ -50,12 +50,15 @@ def check_count(name: str, v, lo: int = 1, hi: int = MAX_COUNT) -> int:
 
 def check_float(name: str, v, lo: float = 0.0, lo_open: bool = True, hi: float = math.inf) -> float:
     """`v` as a float if it is a finite number above lo (or at it, when not lo_open) and at most hi."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
-            or not (lo < v if lo_open else lo <= v) or not v <= hi:
+    try:
+        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an int past the float range
+        f = math.inf
+    if not math.isfinite(f) or not (lo < f if lo_open else lo <= f) or not f <= hi:
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ConfigError(f"{name} must be a finite number {bound}{'' if hi == math.inf else f' and <= {hi}'}, "
                           f"got {show(v)}")
-    return float(v)
+    return f
 
 
 def check_rope_scaling(rs) -> None:
@@ -119,6 +122,9 @@ class ModelConfig:
         if self.ffn_dim is None:
             hidden = int(2 * (4 * self.dim) / 3)
             self.ffn_dim = 256 * ((hidden + 255) // 256)
+        # floats as floats (json may give an int): a 20-digit int eps would overflow torch's scalar arguments
+        self.norm_eps, self.rope_theta = check_float("ModelConfig.norm_eps", self.norm_eps, hi=1.0), \
+            check_float("ModelConfig.rope_theta", self.rope_theta, lo=1.0, lo_open=False)
         self.validate()
 
     def validate(self) -> None:
@@ -136,7 +142,7 @@ class ModelConfig:
                 raise ConfigError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {show(self.head_vocab_size)}")
             if self.tie_embeddings:
                 raise ConfigError("head_vocab_size (a subset lm_head) needs tie_embeddings=False")
-        check_float("ModelConfig.norm_eps", self.norm_eps)
+        check_float("ModelConfig.norm_eps", self.norm_eps, hi=1.0)
         check_float("ModelConfig.rope_theta", self.rope_theta, lo=1.0, lo_open=False)  # below 1 frequencies overflow
         check_rope_scaling(self.rope_scaling)
         eos = self.eos_id

@@ -174,9 +174,14 @@ def check_metadata(meta: dict, shapes: dict[str, tuple[int, ...]], source: str) 
         v = meta.get(f"tokenizer.ggml.{name}")
         if v is not None and not isinstance(v, kind):
             raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} must be a {kind.__name__}, got {show(v)}")
+    for name, ok, kind in (("tokens", lambda t: isinstance(t, str), "strings"),
+                           ("merges", lambda t: isinstance(t, str), "strings"),
+                           ("scores", lambda t: isinstance(t, (int, float)) and not isinstance(t, bool)
+                            and abs(t) <= np.finfo(np.float32).max, "float32 numbers"),
+                           ("token_type", lambda t: isinstance(t, int) and not isinstance(t, bool), "integers")):
+        if not all(map(ok, meta.get(f"tokenizer.ggml.{name}", ()))):
+            raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} must be a list of {kind}")
     tokens = meta.get("tokenizer.ggml.tokens")
-    if tokens is not None and not all(isinstance(t, str) for t in tokens):
-        raise ConversionError(f"{source}: metadata tokenizer.ggml.tokens must be a list of strings")
     embd = shapes.get("token_embd.weight")
     if embd is not None and len(embd) != 2:
         raise ConversionError(f"{source}: tensor token_embd.weight has shape {embd}; an embedding is (vocab, dim)")
@@ -332,7 +337,10 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
         if not sep:
             raise ConversionError(f"merge {m!r} in tokenizer.ggml.merges is not two tokens separated by a space")
         pairs.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # the tokenizers library's own check, e.g. a merge of tokens not in the vocabulary
+        raise ConversionError(f"tokenizer.ggml.tokens/merges do not make a BPE tokenizer ({show(str(e), 200)})") from None
     tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -437,7 +445,8 @@ def open_gguf(path: Path):
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(str(path))
+        with np.errstate(all="ignore"):  # a crafted offset overflows numpy's uint64 sum: checked below, not warned
+            reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader fails in many ways on a damaged file: say which file and what to do
         raise ConversionError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file may be truncated or "
                               "corrupt: download or copy it again") from None
