@@ -118,8 +118,8 @@ def byte_mutation(draw, blob: bytes, fields: list[tuple[int, np.dtype]] = ()):
     return bytes(data)
 
 
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj))  # NaN and Infinity are written as json.dumps does: what Python reads back
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj).encode()  # NaN and Infinity as json.dumps writes them: what Python's json reads back
 
 
 def gguf_fields(path: Path) -> list[tuple[int, np.dtype]]:
@@ -179,6 +179,17 @@ def use_model(model: Transformer) -> None:
     model.generate([1, 2], max_new_tokens=2, stop_tokens=[])
 
 
+def load_spoiled_checkpoint(valid: Path, tmp_path: Path, name: str, spoiled: bytes, outcomes: Counter) -> None:
+    """The valid checkpoint with its file `name` replaced by `spoiled`: loaded and, when it loads, used."""
+    d = tmp_path / "ckpt"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(valid / "ckpt", d)
+    (d / name).write_bytes(spoiled)
+    model = attempt(outcomes, "load", lambda: Transformer.from_pretrained(d))
+    if model is not None:
+        attempt(outcomes, "use", lambda: use_model(model))
+
+
 def report(name: str, outcomes: Counter) -> None:
     """Print the outcomes (run with -s to see them); a fuzzer whose mutations never load, or never fail, is blind."""
     loads = sum(n for k, n in outcomes.items() if k.startswith("load"))
@@ -213,13 +224,7 @@ def test_fuzz_safetensors(valid, tmp_path, bounded):
             spoiled = struct.pack("<Q", length) + raw + blob[8 + n:]
         else:  # the bytes, the length field among them
             spoiled = data.draw(byte_mutation(blob, [(0, np.dtype("<u8"))]))
-        d = tmp_path / "ckpt"
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(valid / "ckpt", d)
-        (d / "model.safetensors").write_bytes(spoiled)
-        model = attempt(outcomes, "load", lambda: Transformer.from_pretrained(d))
-        if model is not None:
-            attempt(outcomes, "use", lambda: use_model(model))
+        load_spoiled_checkpoint(valid, tmp_path, "model.safetensors", spoiled, outcomes)
 
     run()
     report("safetensors", outcomes)
@@ -233,16 +238,9 @@ def test_fuzz_config_json(valid, tmp_path, bounded):
     @FUZZ
     @given(data=st.data())
     def run(data):
-        d = tmp_path / "ckpt"
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(valid / "ckpt", d)
-        if data.draw(st.integers(0, 3)):
-            write_json(d / "config.json", data.draw(json_mutation(config)))
-        else:
-            (d / "config.json").write_bytes(data.draw(byte_mutation(raw)))
-        model = attempt(outcomes, "load", lambda: Transformer.from_pretrained(d))
-        if model is not None:
-            attempt(outcomes, "use", lambda: use_model(model))
+        spoiled = json_bytes(data.draw(json_mutation(config))) if data.draw(st.integers(0, 3)) else \
+            data.draw(byte_mutation(raw))
+        load_spoiled_checkpoint(valid, tmp_path, "config.json", spoiled, outcomes)
 
     run()
     report("config.json", outcomes)
@@ -283,10 +281,9 @@ def test_fuzz_tokenizer(valid, tmp_path, bounded):
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(valid / "tok", d)
         name, obj = data.draw(st.sampled_from([("tokenizer.json", spec)] * 3 + [("tokenizer_config.json", config)]))
-        if data.draw(st.integers(0, 3)):
-            write_json(d / name, data.draw(json_mutation(obj)))
-        else:
-            (d / name).write_bytes(data.draw(byte_mutation((d / name).read_bytes())))
+        spoiled = json_bytes(data.draw(json_mutation(obj))) if data.draw(st.integers(0, 3)) else \
+            data.draw(byte_mutation((d / name).read_bytes()))
+        (d / name).write_bytes(spoiled)
         tok = attempt(outcomes, "load", lambda: load_tokenizer(d))
         if tok is not None:
             def use():
