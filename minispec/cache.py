@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
 
 MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
 
@@ -39,9 +40,9 @@ class CacheExhausted(RuntimeError):
 
 
 def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-    """`v` if it is an integer (not a bool) in [lo, hi]; else a ValueError naming `name`."""
+    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
+        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
     return v
 
 
@@ -208,7 +209,7 @@ class PagedKVCache:
         if need > self.allocator.num_free:
             self._grow(need - self.allocator.num_free)
         if need > self.allocator.num_free:
-            limit = (f"the growing cache's max_blocks={self.max_blocks}" if self.growable else
+            limit = (f"raise the growing cache's max_blocks={self.max_blocks}" if self.growable else
                      "make the cache larger (num_blocks / memory_bytes)")
             raise CacheExhausted(
                 f"KV cache exhausted: appending {sum(n_new)} tokens needs {need} free blocks, "

@@ -102,6 +102,20 @@ def _json_object(data: bytes, name: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # backends: plain encode/decode without bos/eos; the Tokenizer adds those
 
+def _library_call(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) from the tokenizers library; its failures become a TokenizerError naming tokenizer.json.
+
+    A damaged file can make the library's Rust code panic, which reaches Python as a PanicException:
+    a BaseException, so it is caught here too (interrupts and exits are not).
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise TokenizerError(f"{JSON_FILE} {what} ({type(e).__name__}: {show(str(e), 300)})") from None
+
+
 class _JsonBackend:
     """tokenizer.json through the `tokenizers` library."""
 
@@ -110,23 +124,20 @@ class _JsonBackend:
     def __init__(self, data: bytes):
         from tokenizers import Tokenizer as HFTokenizer
         text = _text(data, JSON_FILE)
-        try:
-            self.tok = HFTokenizer.from_str(text)
-            self.spec = json.loads(text)
-        except Exception as e:
-            raise TokenizerError(f"{JSON_FILE} cannot be read by the tokenizers library ({show(str(e), 300)})") from None
+        self.tok = _library_call("cannot be read by the tokenizers library", HFTokenizer.from_str, text)
+        self.spec = json.loads(text)  # what the library just parsed
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(t["id"] for t in self.spec.get("added_tokens", []) if t.get("special"))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return _library_call("fails to encode", self.tok.encode, text, add_special_tokens=False).ids
 
     def encode_with_template(self, text: str) -> list[int]:
         """What the file's own post-processor adds (e.g. Llama 3's <|begin_of_text|>)."""
-        return self.tok.encode(text, add_special_tokens=True).ids
+        return _library_call("fails to encode", self.tok.encode, text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _library_call("fails to decode", self.tok.decode, ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -472,16 +483,12 @@ def _render_chat_template(template: str, messages, add_generation_prompt: bool, 
     hanging the caller or exhausting its memory: a render that runs past CHAT_TEMPLATE_SECONDS is
     killed, one that allocates more than CHAT_TEMPLATE_MEMORY gets a MemoryError (Linux's address-space
     limit), and one that writes more than CHAT_TEMPLATE_MAX_CHARS is stopped. Each case is a
-    TokenizerError. Forking costs milliseconds; where there is no fork (Windows), or it fails, the
-    template renders in-process with the output limit only.
+    TokenizerError. A fork costs tens of milliseconds in a process that holds a model; where there is
+    no fork (Windows), or none is granted, the template renders in-process with the output limit only.
     """
     variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt)
-    if hasattr(os, "fork"):
-        try:
-            return _render_in_child(template, variables)
-        except OSError:  # no fork or pipe to be had (memory, process limits): render here
-            pass
-    return _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS)
+    text = _render_in_child(template, variables) if hasattr(os, "fork") else None
+    return _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS) if text is None else text
 
 
 def _render_limited(template: str, variables: dict, max_chars: int) -> str:
@@ -521,24 +528,26 @@ def _render_limited(template: str, variables: dict, max_chars: int) -> str:
         raise TokenizerError(f"the chat template failed: {type(e).__name__}: {show(str(e), 200)}") from None
 
 
-def _render_in_child(template: str, variables: dict) -> str:
-    """_render_limited in a forked child under a time and memory limit; its result comes back through a pipe."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads; the child
-        warnings.simplefilter("ignore", DeprecationWarning)  # only renders (pure Python) and exits
-        pid = os.fork()
-    if pid == 0:  # the child: render, send, and leave without running any of the parent's cleanup
-        try:
-            os.close(r)
-            _limit_memory(CHAT_TEMPLATE_MEMORY)
-            try:
-                payload = b"O" + _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS).encode("utf-8", "surrogatepass")
-            except TokenizerError as e:
-                payload = b"E" + str(e).encode("utf-8", "replace")
-            with os.fdopen(w, "wb") as out:
-                out.write(payload)
-        finally:
-            os._exit(0)
+def _render_in_child(template: str, variables: dict) -> str | None:
+    """_render_limited in a forked child under a time and memory limit; its result comes back through a pipe.
+
+    None when no child can be started (the system refuses a pipe or a fork).
+    """
+    try:
+        r, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads; the child
+            warnings.simplefilter("ignore", DeprecationWarning)  # only renders (pure Python) and exits
+            pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:
+        os.close(r)
+        _child_render(w, template, variables)
     os.close(w)
     try:
         data = _read_child(r, pid, time.monotonic() + CHAT_TEMPLATE_SECONDS, 4 * CHAT_TEMPLATE_MAX_CHARS + 1)
@@ -550,6 +559,21 @@ def _render_in_child(template: str, variables: dict) -> str:
         raise TokenizerError(data[1:].decode("utf-8", "replace"))
     raise TokenizerError("the chat template's renderer died before it finished (out of memory?); the template "
                          "may allocate without bound")
+
+
+def _child_render(fd: int, template: str, variables: dict) -> None:
+    """In the forked child: render under the memory limit, write b"O" + text or b"E" + error to `fd`, and
+    leave with os._exit, running none of the parent's cleanup (atexit, buffered output, pytest's)."""
+    try:
+        _limit_memory(CHAT_TEMPLATE_MEMORY)
+        try:
+            payload = b"O" + _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS).encode("utf-8", "surrogatepass")
+        except TokenizerError as e:
+            payload = b"E" + str(e).encode("utf-8", "replace")
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+    finally:
+        os._exit(0)
 
 
 def _read_child(fd: int, pid: int, deadline: float, max_bytes: int) -> bytes:

@@ -5,9 +5,9 @@ Four targets, each a valid tiny file spoiled by one to three mutations:
   length field set to an extreme, values in its JSON header replaced (shapes, offsets, dtypes);
 - config.json: values replaced by NaN, infinities, huge numbers, strings, nulls, lists, objects;
   keys dropped or added; bytes flipped; non-UTF-8 bytes;
-- a llama GGUF file (converted with tools/convert_gguf.py): bit flips, truncation, length and
-  count fields (string lengths, array counts, tensor dims and offsets) and numeric values set to
-  extremes or NaN;
+- a llama GGUF file with a gpt2-style or a SentencePiece vocabulary (converted with
+  tools/convert_gguf.py): bit flips, truncation, length and count fields (string lengths, array
+  counts, tensor dims and offsets) and numeric values set to extremes or NaN;
 - tokenizer.json and tokenizer_config.json: as config.json.
 
 Every outcome must be a clean load, whose result is then used (a few generated tokens, an
@@ -38,7 +38,7 @@ from minispec.errors import InputError
 from minispec.tokenizer import load_tokenizer
 
 from conftest import load_gguf_converter
-from tiny_files import tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
+from tiny_files import llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 gguf = pytest.importorskip("gguf")
 conv = load_gguf_converter()
@@ -205,7 +205,8 @@ def valid(tmp_path_factory):
     root = tmp_path_factory.mktemp("valid")
     tiny_checkpoint(root / "ckpt", eos_id=2)
     tiny_tokenizer_dir(root / "tok")
-    tiny_gguf(root / "model.gguf")
+    tiny_gguf(root / "gpt2.gguf")  # its vocabulary becomes a tokenizer.json
+    tiny_gguf(root / "llama.gguf", llama_vocab())  # a tokenizer.model (sentencepiece)
     return root
 
 
@@ -247,14 +248,14 @@ def test_fuzz_config_json(valid, tmp_path, bounded):
 
 
 def test_fuzz_gguf(valid, tmp_path, bounded):
-    blob = (valid / "model.gguf").read_bytes()
-    fields = gguf_fields(valid / "model.gguf")
+    files = {name: ((valid / name).read_bytes(), gguf_fields(valid / name)) for name in ("gpt2.gguf", "llama.gguf")}
     outcomes = Counter()
 
     @FUZZ
     @given(data=st.data())
     def run(data):
         src, dst = tmp_path / "m.gguf", tmp_path / "out"
+        blob, fields = files[data.draw(st.sampled_from(sorted(files)))]
         src.write_bytes(data.draw(byte_mutation(blob, fields)))
         shutil.rmtree(dst, ignore_errors=True)
         cfg = attempt(outcomes, "load", lambda: conv.convert(src, dst, progress=False))

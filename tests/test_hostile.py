@@ -216,7 +216,7 @@ def test_growing_cache_keeps_contents_and_respects_its_bound():
     bounded = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=2, block_size=2, max_blocks=2)
     t = bounded.new_sequence()
     bounded.reserve([t], [4])
-    with pytest.raises(CacheExhausted, match="max_blocks=2"):
+    with pytest.raises(CacheExhausted, match="raise the growing cache's max_blocks=2"):
         bounded.reserve([t], [1])
     assert (bounded.num_blocks, bounded.length(t)) == (2, 4)  # nothing changed
     with pytest.raises(ValueError, match="max_blocks bounds a growing cache"):
