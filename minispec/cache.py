@@ -14,7 +14,13 @@ Writing is copy-on-write: before a sequence writes into a block that another
 sequence also holds (a forked partial block), it gets a private copy.
 Rollback after a rejected draft is `truncate(seq, new_len)`; attention masks
 by length, so stale entries past the length are never read.
-Running out of blocks raises `CacheExhausted` before anything changes.
+
+The pool is either fixed (`num_blocks`, or as many blocks as `memory_bytes` holds)
+or, given neither, grows on demand: it starts empty and, when a reserve needs
+more blocks than are free, is reallocated to at least twice its size (up to
+`max_blocks` when given). Memory then follows the tokens actually held, not a
+worst case reserved up front. Running out of blocks (a fixed pool full, or a
+growing one at max_blocks) raises `CacheExhausted` before anything changes.
 """
 
 from __future__ import annotations
@@ -24,20 +30,38 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
+
+MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
+
 
 class CacheExhausted(RuntimeError):
     """The block pool cannot hold what was asked; nothing was changed."""
 
 
+def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
+    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
+    return v
+
+
 class BlockAllocator:
     """A free list and reference counts over `num_blocks` block ids."""
 
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.refcount = [0] * num_blocks
-        self.free_ids = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+    def __init__(self, num_blocks: int, allow_empty: bool = False):
+        check_int("num_blocks", num_blocks, 0 if allow_empty else 1)
+        self.num_blocks = 0
+        self.refcount: list[int] = []
+        self.free_ids: list[int] = []
+        self.grow(num_blocks)
+
+    def grow(self, n: int) -> None:
+        """Add n blocks (ids num_blocks .. num_blocks + n - 1), handed out before the ones already free."""
+        first = self.num_blocks
+        self.num_blocks += n
+        self.refcount += [0] * n
+        self.free_ids += range(self.num_blocks - 1, first - 1, -1)  # pop() hands out first, first + 1, ...
 
     @property
     def num_free(self) -> int:
@@ -87,22 +111,25 @@ class PagedKVCache:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int | None = None,
                  block_size: int = 16, memory_bytes: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", max_blocks: int | None = None):
+        """A fixed pool of num_blocks blocks, or of as many as memory_bytes holds; given neither, a pool
+        that grows on demand, without bound or up to max_blocks blocks."""
+        check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         bytes_per_block = 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        if num_blocks is None:
-            if memory_bytes is None:
-                raise ValueError("give PagedKVCache either num_blocks or memory_bytes")
-            num_blocks = memory_bytes // bytes_per_block
+        self.growable = num_blocks is None and memory_bytes is None
+        if max_blocks is not None and not self.growable:
+            raise ValueError("max_blocks bounds a growing cache: give it without num_blocks and memory_bytes")
+        self.max_blocks = None if max_blocks is None else check_int("max_blocks", max_blocks, 1)
+        if num_blocks is None and memory_bytes is not None:
+            num_blocks = check_int("memory_bytes", memory_bytes, 0) // bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"memory_bytes={memory_bytes} holds no block (one block needs {bytes_per_block} bytes)")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(0 if self.growable else num_blocks, allow_empty=self.growable)
         # (n_layers, num_blocks * block_size, 2 * n_kv_heads, head_dim): a flat slot axis per layer,
         # keys in the first n_kv_heads rows of a slot, values in the rest
         self.n_kv_heads = n_kv_heads
-        self.kv = torch.zeros((n_layers, num_blocks * block_size, 2 * n_kv_heads, head_dim), dtype=dtype, device=device)
+        self.kv = torch.zeros((n_layers, self.num_blocks * block_size, 2 * n_kv_heads, head_dim), dtype=dtype, device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -180,10 +207,14 @@ class PagedKVCache:
             raise ValueError("a sequence appears twice in one reserve call")
         need = sum(self._blocks_needed(s, n) for s, n in zip(seqs, n_new))
         if need > self.allocator.num_free:
+            self._grow(need - self.allocator.num_free)
+        if need > self.allocator.num_free:
+            limit = (f"raise the growing cache's max_blocks={self.max_blocks}" if self.growable else
+                     "make the cache larger (num_blocks / memory_bytes)")
             raise CacheExhausted(
                 f"KV cache exhausted: appending {sum(n_new)} tokens needs {need} free blocks, "
                 f"{self.allocator.num_free} of {self.num_blocks} are free (block_size={self.block_size}); "
-                f"make the cache larger (num_blocks / memory_bytes) or free finished sequences")
+                f"{limit} or free finished sequences")
         out = []
         bs = self.block_size
         for s, n in zip(seqs, n_new):
@@ -198,6 +229,24 @@ class PagedKVCache:
             out.append([table[t // bs] * bs + t % bs for t in range(length, length + n)])
             self.lengths[s] = length + n
         return out
+
+    def _grow(self, short: int) -> None:
+        """A growing pool `short` blocks short: reallocate it to at least twice its size (capped at max_blocks).
+
+        Doubling keeps the copying linear in the final size. Nothing changes when even the cap is too small.
+        """
+        if not self.growable:
+            return
+        n = max(self.num_blocks + short, 2 * self.num_blocks)
+        if self.max_blocks is not None:
+            if self.num_blocks + short > self.max_blocks:
+                return
+            n = min(n, self.max_blocks)
+        L, _, H2, D = self.kv.shape
+        kv = torch.zeros((L, n * self.block_size, H2, D), dtype=self.kv.dtype, device=self.kv.device)
+        kv[:, :self.kv.shape[1]] = self.kv
+        self.kv = kv
+        self.allocator.grow(n - self.num_blocks)
 
     def slots(self, seq: int) -> list[int]:
         """Pool slots of every token `seq` holds, in order."""

@@ -1,9 +1,17 @@
 """Checkpoints: a directory with config.json, model.safetensors and, when there is one, the tokenizer.
 
-Loading memory-maps the safetensors file (never pickle), checks every tensor
-name and shape against the config and says which tensor is wrong. Saving is
-atomic: the directory is written under a temporary name and renamed into place,
-so an interrupted save never leaves a checkpoint that loads half-written.
+Loading memory-maps the safetensors file (never pickle) and checks it against
+the config before building anything: the layer count first (a config.json that
+claims 10**9 layers is refused at once, not built), then every tensor name,
+shape and dtype, saying which tensor is wrong; memory is bounded by what the
+file holds. The tokenizer must fit the model's vocabulary.
+
+Saving is atomic: the directory is written under a temporary name and renamed
+into place, so an interrupted save never leaves a checkpoint that loads
+half-written. The temporaries are named after the host and process that wrote
+them, so the next write to the same destination removes those of dead
+processes, and restores the old checkpoint when a kill came between the two
+renames of an overwrite.
 
 `hf_to_minispec_name` is the one map from Hugging Face Llama-family tensor
 names to minispec's; the converters reuse it.
@@ -12,9 +20,11 @@ names to minispec's; the converters reuse it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -24,13 +34,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .errors import InputError
 from .tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401 (TOKENIZER_FILES: the converters' import)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# safetensors dtype tag -> torch dtype, for the weights minispec computes with; head_ids (a subset head's ids) is I64
+WEIGHT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_LAYER = re.compile(r"^layers\.(\d{1,9})\.")  # a longer index is no layer of any real model: an unexpected tensor
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint is missing, corrupt, or does not match its config."""
 
 
@@ -68,6 +82,45 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def expected_tensors(cls, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes a checkpoint of `cfg` holds, found without building cfg.n_layers layers.
+
+    `shapes` are the file's tensors (from its header). A one-layer model of `cls` on the meta device
+    gives the shapes (no memory); the config's layer count is compared with the file's before that
+    layer's names are repeated n_layers times, so a config that claims more layers than the file
+    holds (10**9) is refused before any work proportional to its claim.
+    """
+    with torch.device("meta"):
+        one = expected_shapes(cls(dataclasses.replace(cfg, n_layers=1)))
+    parts = [name[len("layers.0."):] for name in one if name.startswith("layers.0.")]
+    held = {int(m.group(1)) for n in shapes if (m := _LAYER.match(n))}
+    if cfg.n_layers > len(held):
+        first = next(i for i in range(len(held) + 1) if i not in held)  # a layer the config has and the file lacks
+        missing = [f"layers.{first}.{p}" for p in sorted(parts)]
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]} ...: the config has n_layers={cfg.n_layers}, "
+                              f"the weights hold {len(held)} layer(s) (does config.json match the weights?)")
+    out = {name: shape for name, shape in one.items() if not name.startswith("layers.0.")}
+    for i in range(cfg.n_layers):
+        out.update({f"layers.{i}.{p}": one[f"layers.0.{p}"] for p in parts})
+    return out
+
+
+def check_dtypes(dtypes: dict[str, str], source: str) -> None:
+    """Every weight must be F32, BF16 or F16 and head_ids I64: an I32, BOOL or F8 weight is named, not loaded."""
+    for name, dt in dtypes.items():
+        want = ("I64",) if name == "head_ids" else tuple(WEIGHT_DTYPES)
+        if dt not in want:
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {dt}; minispec reads {'/'.join(want)} there "
+                                  "(re-save or re-convert the checkpoint with --dtype float32, bfloat16 or float16)")
+
+
+def check_head_ids(head_ids: torch.Tensor, vocab_size: int, source: str) -> None:
+    """A subset head's ids must be distinct token ids: an id out of range or twice would score the wrong tokens."""
+    ids = head_ids.tolist()
+    if any(not 0 <= i < vocab_size for i in ids) or len(set(ids)) != len(ids):
+        raise CheckpointError(f"{source}: head_ids must be distinct token ids in [0, {vocab_size}); the file's are not")
+
+
 def check_state_dict(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], source: str) -> None:
     """Raise CheckpointError naming every missing or unexpected tensor and the first shape mismatch."""
     missing = sorted(set(expected) - set(shapes))
@@ -87,33 +140,54 @@ def check_state_dict(shapes: dict[str, tuple[int, ...]], expected: dict[str, tup
 def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist{_interrupted_hint(path)}")
     cfg = ModelConfig.load(str(path / CONFIG_NAME))
     wfile = path / WEIGHTS_NAME
     if not wfile.is_file():
         raise CheckpointError(f"{path}: no {WEIGHTS_NAME}")
-    with torch.device("meta"):
-        model = cls(cfg)
-    expected = expected_shapes(model)
     try:
         with safe_open(str(wfile), framework="pt") as f:
             names = list(f.keys())
             shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-            check_state_dict(shapes, expected, str(wfile))
-            stored_dtype = f.get_slice("embed_tokens.weight").get_dtype()
+            dtypes = {n: f.get_slice(n).get_dtype() for n in names}
+            check_state_dict(shapes, expected_tensors(cls, cfg, shapes, str(wfile)), str(wfile))
+            check_dtypes(dtypes, str(wfile))
             state = {n: f.get_tensor(n) for n in names}
     except CheckpointError:
         raise
     except Exception as e:  # truncated or corrupt file: safetensors' own error, with the file named
         raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
                               "the file may be truncated or corrupt: re-create or re-download it") from None
+    if "head_ids" in state:
+        check_head_ids(state["head_ids"], cfg.vocab_size, str(wfile))
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg, str(path))
     if dtype is None:
-        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(stored_dtype, torch.float32)
+        dtype = WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
+    with torch.device("meta"):  # checked against the file: a model of the file's size, no memory yet
+        model = cls(cfg)
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
-    model.init_rope()  # the RoPE tables were built on the meta device: build them for real
+    model.init_rope()  # the RoPE tables were made on the meta device: make them real (they grow with use)
     model = model.to(device=device or "cpu", dtype=dtype)
-    model.tokenizer = load_tokenizer(path)
+    model.tokenizer = tokenizer
     return model
+
+
+def check_tokenizer(tokenizer, cfg: ModelConfig, source: str) -> None:
+    """The tokenizer must fit the model: no id past the embedding, and the config's special ids in its vocabulary.
+
+    A model's vocabulary may be larger than its tokenizer's (padded to a multiple of 64 or 128, as in
+    Qwen2), never smaller: the tokenizer would produce ids the model has no embedding for.
+    """
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                              f"vocab_size={cfg.vocab_size}; the tokenizer files belong to another model")
+    for name, ids in (("eos_id", cfg.stop_ids), ("bos_id", () if cfg.bos_id is None else (cfg.bos_id,))):
+        for i in ids:
+            if i >= tokenizer.vocab_size:
+                raise CheckpointError(f"{source}: config.json's {name} {i} is not in the tokenizer's vocabulary of "
+                                      f"{tokenizer.vocab_size} tokens; the tokenizer files belong to another model")
 
 
 def save_pretrained(model, path, dtype: torch.dtype | None = None) -> None:
@@ -127,19 +201,76 @@ def save_pretrained(model, path, dtype: torch.dtype | None = None) -> None:
             tok.save(tmp)
 
 
+def _host() -> str:
+    """This machine's name as it goes into a temporary's name (a shared filesystem sees several machines)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _leftover(parent: Path, dst_name: str) -> Iterator[tuple[Path, str, int]]:
+    """(path, kind "tmp" or "old", pid) of each temporary a write to `dst_name` left beside it on this host."""
+    pattern = re.compile(rf"^\.{re.escape(dst_name)}\.(tmp|old)-{re.escape(_host())}-(\d+)(?:-.*)?$")
+    for p in parent.iterdir() if parent.is_dir() else ():
+        m = pattern.match(p.name)
+        if m:
+            yield p, m.group(1), int(m.group(2))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def recover_output_dir(dst: str | os.PathLike) -> None:
+    """Remove what writes to `dst` by dead processes of this host left, restoring `dst` if it went missing.
+
+    A kill during a write leaves `.DST.tmp-HOST-PID-*` (the new checkpoint, maybe partial): removed.
+    A kill between the two renames of an overwrite leaves no DST and the complete old one as
+    `.DST.old-HOST-PID`: renamed back to DST (the newest, if several). A live process's temporaries
+    are left alone.
+    """
+    dst = Path(dst)
+    stale = [(p, kind) for p, kind, pid in _leftover(dst.parent, dst.name) if not _alive(pid)]
+    olds = sorted((p for p, kind in stale if kind == "old"), key=lambda p: p.stat().st_mtime)
+    if olds and not dst.exists():
+        os.replace(olds.pop(), dst)
+    for p, kind in stale:
+        if p.exists():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _interrupted_hint(dst: Path) -> str:
+    """For a missing checkpoint directory: a note when an interrupted overwrite left the old one beside it."""
+    if any(kind == "old" for _, kind, _ in _leftover(dst.parent, dst.name)):
+        return (f" (an overwrite of it was interrupted; the old checkpoint is in .{dst.name}.old-* beside it, and "
+                "the next save or conversion to this path restores it first)")
+    return ""
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside `dst`; on success it becomes `dst`.
 
     On any exception the temporary directory is removed and `dst` is untouched
-    (an existing `dst` is replaced only after the new one is complete).
+    (an existing `dst` is replaced only after the new one is complete). Leftovers of
+    earlier writes to `dst` by dead processes are cleaned up first (recover_output_dir).
     """
     dst = Path(dst)
+    parent = dst.parent if str(dst.parent) else Path(".")
+    recover_output_dir(dst)
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; choose another output directory or pass --overwrite")
-    parent = dst.parent if str(dst.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
+    tag = f"{_host()}-{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-{tag}-", dir=parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes the directory private; a checkpoint is meant to be shared
     try:
         yield tmp
@@ -147,7 +278,7 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
             os.chmod(f, 0o644)
         old = None
         if dst.exists():
-            old = parent / f".{dst.name}.old-{os.getpid()}"
+            old = parent / f".{dst.name}.old-{tag}"
             os.replace(dst, old)
         os.replace(tmp, dst)
         if old is not None:

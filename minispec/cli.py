@@ -7,7 +7,8 @@
 Each subcommand is an entry in COMMANDS: a function adding its arguments to an argparse
 parser and a function running it, returning the exit status. Adding one is a few lines.
 Bad arguments exit with status 2 (argparse's convention); failures while running (a
-checkpoint that does not load, ...) print `error: ...` and exit with status 1.
+checkpoint that does not load, a device that is not there, ...) print one line
+`error: ...` and exit with status 1. A traceback means a bug in minispec.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from .drafters import PROMPT_LOOKUP
 from .equivalence import DEFAULTS, MIN_SAMPLES, ORDERS, EquivalenceInputError, plot_report, run_equivalence
+from .errors import one_line
 from .model import Transformer
 from .speculative import SAMPLERS
 
@@ -30,8 +32,8 @@ class CLIError(RuntimeError):
     """A failure while running a command: printed as `error: ...`, exit status 1."""
 
 
-class InputError(ValueError):
-    """Bad input found after argument parsing (a prompt file, a prompt that encodes to nothing): exit status 2."""
+class UsageError(ValueError):
+    """Bad command-line input found after argument parsing (a prompt file, a prompt that encodes to nothing): exit status 2."""
 
 
 # ---- argument types: a bad value is an argparse error (exit status 2) naming the option
@@ -76,6 +78,35 @@ def _draft(s: str) -> str:
     return s if s == PROMPT_LOOKUP else _checkpoint_dir(s)
 
 
+def _int_in(lo: int, hi: int):
+    def parse(s: str) -> int:
+        v = _int_at_least(lo)(s)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{v} is more than {hi}")
+        return v
+    return parse
+
+
+def device_argument(s: str) -> str:
+    """A device torch can use here: "potato" or "cuda" on a machine without CUDA are argparse errors."""
+    try:
+        dev = torch.device(s)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
+    if dev.type == "cpu":
+        return s
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if dev.type == "meta" or backend is None or not hasattr(backend, "is_available"):
+        raise argparse.ArgumentTypeError(f"device {s!r} cannot run a model here; use cpu or cuda")
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"device {s!r} is not available on this machine (torch "
+                                         f"{torch.__version__} sees no {dev.type}); use --device cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if dev.index is not None and dev.index >= count:
+        raise argparse.ArgumentTypeError(f"device {s!r} does not exist: this machine has {count} {dev.type} device(s)")
+    return s
+
+
 def _device(s: str | None) -> str:
     if s is not None:
         return s
@@ -100,8 +131,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_int_at_least(1), default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens (default 0)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="the same seed gives the same tokens (default 0)")
+    p.add_argument("--device", type=device_argument, default=None,
+                   help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
 
 
@@ -196,7 +228,7 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the target-only calibration run (halves the time)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", metavar="OUT.png", help="write the u histograms per position (needs matplotlib)")
-    p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--device", type=device_argument, default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
 
 
 def _read_prompts(args) -> list[str]:
@@ -205,18 +237,18 @@ def _read_prompts(args) -> list[str]:
         try:
             lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"cannot read --prompts {args.prompts}: {getattr(e, 'strerror', None) or e}") from None
+            raise UsageError(f"cannot read --prompts {args.prompts}: {getattr(e, 'strerror', None) or e}") from None
         lines = [line for line in lines if line.strip()]
         if not lines:
-            raise InputError(f"--prompts {args.prompts} holds no prompts (one per line)")
+            raise UsageError(f"--prompts {args.prompts} holds no prompts (one per line)")
         texts += lines
     if not texts:
-        raise InputError("give a prompt: --prompt TEXT or --prompts FILE")
+        raise UsageError("give a prompt: --prompt TEXT or --prompts FILE")
     if args.plot is not None and args.temperature > 0:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise InputError("--plot needs matplotlib: pip install matplotlib (an optional extra)") from None
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (an optional extra)") from None
     return texts
 
 
@@ -228,12 +260,12 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft == PROMPT_LOOKUP else Transformer.from_pretrained(args.draft, device=device)
     tok = target.tokenizer
     if tok is None:
-        raise InputError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); the prompts are text")
+        raise UsageError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); the prompts are text")
     prompts = []
     for i, text in enumerate(texts):
         ids = tok.encode(text)
         if not ids:
-            raise InputError(f"prompt {i} ({text!r}) encodes to no tokens and this tokenizer adds no bos; "
+            raise UsageError(f"prompt {i} ({text!r}) encodes to no tokens and this tokenizer adds no bos; "
                              "give a non-empty prompt")
         prompts.append(ids)
     report = run_equivalence(target, draft, prompts, samples=args.samples, tokens=args.tokens, k=args.k,
@@ -290,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory() -> tuple[type[BaseException], ...]:
+    """The out-of-memory errors (Python's and torch's allocators')."""
+    return MemoryError, torch.OutOfMemoryError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -297,9 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except (InputError, EquivalenceInputError) as e:  # bad input: argparse's status
-        print(f"error: {e}", file=sys.stderr)
+    except (UsageError, EquivalenceInputError) as e:  # bad input: argparse's status
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except (CLIError, ValueError, OSError) as e:  # checkpoint, tokenizer and argument-value errors say what to do
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except _out_of_memory() as e:
+        print(f"error: out of memory ({one_line(e)}); try --dtype bfloat16, a smaller --max-new-tokens, "
+              "or another --device", file=sys.stderr)
         return 1

@@ -33,16 +33,12 @@ class CachedRows:
     its prefill: it runs once and the blocks are forked (copy-on-write).
     """
 
-    def __init__(self, model, prompts: dict[int, list[int]], budgets: dict[int, int], block_size: int):
+    def __init__(self, model, prompts: dict[int, list[int]], block_size: int):
         self.model = model
-        bs = block_size
         unique: dict[tuple, list[int]] = {}
         for row, p in prompts.items():
             unique.setdefault(tuple(p), []).append(row)
-        # worst case: each row grows to prompt + budget tokens; shared full prompt blocks are counted once
-        blocks = sum(-(-(len(p) - 1) // bs) for p in unique)
-        blocks += sum(-(-(len(p) + budgets[r]) // bs) - (len(p) - 1) // bs for r, p in prompts.items())
-        self.cache = model.new_cache(num_blocks=max(blocks, 1), block_size=bs)
+        self.cache = model.new_cache(block_size=block_size)  # grows by blocks as the rows do
         self.seq: dict[int, int] = {}
         self.pending: dict[int, list[int]] = {r: [p[-1]] for r, p in prompts.items()}
         self.fed: dict[int, list[int]] = {}  # row -> tokens fed after its pending ones this round
@@ -146,7 +142,7 @@ class ModelDrafter(Drafter):
         self.max_len = self.model.config.max_seq_len
         # a prompt longer than the draft's window never gets drafts: those rounds are plain target steps
         fits = {r: p for r, p in prompts.items() if len(p) <= self.max_len}
-        self.rows = CachedRows(self.model, fits, budgets, block_size)
+        self.rows = CachedRows(self.model, fits, block_size)
 
     def propose(self, rows, ks, contexts, gens):
         tokens = {r: [] for r in rows}

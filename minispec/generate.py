@@ -9,34 +9,40 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .sampling import SamplingParams, logits_to_probs, make_generators, sample
+from .cache import MAX_BLOCK_SIZE, check_int
+from .errors import InputError
+from .sampling import SamplingParams, check_logits, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
 
 
+class GenerationError(InputError):
+    """A prompt, stop token or generation setting that generate (and speculate) refuse."""
+
+
 def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
-    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises ValueError on bad input."""
+    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises GenerationError on bad input."""
     if isinstance(prompts, str):
-        raise ValueError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
+        raise GenerationError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
     if hasattr(prompts, "tolist"):
         prompts = prompts.tolist()
     prompts = list(prompts)
     if not prompts:
-        raise ValueError("empty prompt: give at least one token id (e.g. the bos token)")
+        raise GenerationError("empty prompt: give at least one token id (e.g. the bos token)")
     single = not isinstance(prompts[0], (list, tuple))
     batch = [list(prompts)] if single else [list(p) for p in prompts]
     cfg = model.config
     for i, p in enumerate(batch):
         where = "prompt" if single else f"prompt {i}"
         if not p:
-            raise ValueError(f"{where} is empty: give at least one token id (e.g. the bos token)")
+            raise GenerationError(f"{where} is empty: give at least one token id (e.g. the bos token)")
         for t in p:
             if not isinstance(t, int) or isinstance(t, bool):
-                raise ValueError(f"{where} holds {t!r}; token ids must be integers")
+                raise GenerationError(f"{where} holds {t!r}; token ids must be integers")
             if not 0 <= t < cfg.vocab_size:
-                raise ValueError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
+                raise GenerationError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
         if len(p) > cfg.max_seq_len:
-            raise ValueError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
+            raise GenerationError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
     return batch, single
 
 
@@ -46,12 +52,18 @@ def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
         return frozenset(model.config.stop_ids)
     if isinstance(stop_tokens, int):
         stop_tokens = [stop_tokens]
-    return frozenset(int(t) for t in stop_tokens)
+    if isinstance(stop_tokens, str) or not hasattr(stop_tokens, "__iter__"):
+        raise GenerationError(f"stop_tokens must be a list of token ids or None, got {stop_tokens!r}")
+    vocab = model.config.vocab_size
+    for t in stop_tokens:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:  # 1.5 or "2" would never match
+            raise GenerationError(f"stop_tokens holds {t!r}; stop tokens must be integer ids in [0, {vocab})")
+    return frozenset(stop_tokens)
 
 
 def check_max_new_tokens(n) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")
 
 
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
@@ -69,6 +81,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     """
     params = SamplingParams(temperature, top_k, top_p, seed)
     check_max_new_tokens(max_new_tokens)
+    check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
     batch, single = normalize_prompts(model, prompts)
     stops = resolve_stop_tokens(model, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
@@ -79,13 +92,13 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     active = [i for i in range(len(batch)) if budget[i] > 0]
     if not active:
         return out[0] if single else out
-    need_blocks = sum(-(-(len(batch[i]) + budget[i]) // block_size) for i in active)
-    cache = model.new_cache(num_blocks=need_blocks, block_size=block_size)
+    cache = model.new_cache(block_size=block_size)  # grows by blocks as the sequences do; nothing reserved up front
     gens = make_generators(seed, len(batch))
     seqs = {i: cache.new_sequence() for i in active}
     logits = model.step(cache, [seqs[i] for i in active], [batch[i] for i in active])  # prefill: (B, vocab)
     while active:
         if params.greedy:  # the one-hot distribution's only token: no need to build and sample it
+            check_logits(logits)  # NaN logits would otherwise "pick" the NaN's index
             picks = logits.argmax(-1).tolist()
         else:
             probs = logits_to_probs(logits, params)

@@ -53,10 +53,9 @@ class RMSNorm(nn.Module):
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), with Llama-3 style scaling when configured."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    rs = cfg.rope_scaling
-    if rs is not None and rs.get("rope_type", rs.get("type")) == "llama3":
-        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_len = rs.get("original_max_position_embeddings", 8192)
+    llama3 = cfg.llama3_rope()
+    if llama3 is not None:
+        factor, lo, hi, old_len = llama3
         wavelen = 2 * math.pi / inv_freq
         lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
         # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
@@ -206,14 +205,33 @@ class Transformer(nn.Module):
         self.eval()
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
-        """(Re)build the RoPE cos/sin tables from the config: buffers, never saved."""
-        inv_freq = rope_frequencies(self.config)
-        angles = torch.outer(torch.arange(self.config.max_seq_len, dtype=torch.float32), inv_freq)  # (S, D/2)
-        if device is not None:
-            angles = angles.to(device)
-        cos, sin = angles.cos(), angles.sin()
-        self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)  # (S, D): rotate-half layout
-        self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1), persistent=False)  # signed: see apply_rope
+        """(Re)set the RoPE cos/sin tables from the config: empty buffers (never saved) that grow with use.
+
+        The tables cover positions [0, n) for the longest sequence seen so far, not max_seq_len:
+        a config may allow millions of positions, and a table for all of them would be built
+        (gigabytes) before the first token. `_rope_tables` extends them as positions arrive.
+        """
+        empty = torch.empty(0, self.config.head_dim, device=device)
+        self.register_buffer("rope_cos", empty, persistent=False)  # (S, D): rotate-half layout
+        self.register_buffer("rope_sin", empty.clone(), persistent=False)  # signed: see apply_rope
+
+    def _rope_tables(self, end: int) -> None:
+        """Make the RoPE tables cover positions [0, end): rebuilt for at least twice their length, at most max_seq_len."""
+        have = self.rope_cos.shape[0]
+        if end <= have:
+            return
+        if end > self.config.max_seq_len:
+            raise ValueError(f"position {end - 1} is past max_seq_len={self.config.max_seq_len}")
+        n = min(max(end, 2 * have, 64), self.config.max_seq_len)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
+            # fp32 angles on the CPU whatever the device, their cos/sin in fp64 rounded to fp32: a position's
+            # values do not depend on the table's length or the device, so regrowing changes no earlier row.
+            # The tables then follow the model's device and dtype, as buffers do through .to().
+            angles = torch.outer(torch.arange(n, dtype=torch.float32), rope_frequencies(self.config)).double()  # (S, D/2)
+            cos, sin = angles.cos().float(), angles.sin().float()
+            like = dict(device=self.rope_cos.device, dtype=self.rope_cos.dtype)
+            self.rope_cos = torch.cat((cos, cos), dim=-1).to(**like)
+            self.rope_sin = torch.cat((-sin, sin), dim=-1).to(**like)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -230,8 +248,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def _rope(self, positions: torch.Tensor):
-        # positions: (B, T) -> cos, sin: (B, T, 1, D) in the activations' dtype
+    def _rope(self, positions: torch.Tensor, end: int | None = None):
+        # positions: (B, T) -> cos, sin: (B, T, 1, D) in the activations' dtype. end: a bound on the
+        # positions when the caller knows it (no read of the positions back from the device)
+        self._rope_tables(int(positions.max()) + 1 if end is None and positions.numel() else end or 0)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
         return cos, sin
@@ -243,7 +263,7 @@ class Transformer(nn.Module):
         both None for a full causal forward.
         """
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])  # (B, L): L > every position
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if kv is None else kv[i], meta)
         return self.norm(x)

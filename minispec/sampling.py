@@ -10,9 +10,18 @@ Order of processing follows Hugging Face: temperature, then top-k, then top-p.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import InputError
+
+MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
+
+
+class SamplingError(InputError):
+    """A sampling setting is invalid, or leaves a row of logits nothing that can be sampled."""
 
 
 @dataclass(frozen=True)
@@ -24,32 +33,77 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or t != t or t < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {t!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise SamplingError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_seed(seed) -> None:
+    """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
+
+
+def _unsampleable(logits: torch.Tensor) -> str | None:
+    """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
+
+    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One device sync.
+    """
+    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any()
+    no_token = torch.isneginf(logits).all(-1).any()
+    flags = torch.stack((nonfinite, no_token)).tolist()
+    return "NaN or +inf" if flags[0] else "-inf for every token" if flags[1] else None
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Refuse model logits that no setting can sample from (see _unsampleable), greedy included."""
+    what = _unsampleable(logits)
+    if what is not None:
+        raise SamplingError(f"the model's logits are {what} in some row: nothing can be sampled; the checkpoint's "
+                            "weights or config (norm_eps, rope_theta, rope_scaling) are likely corrupt")
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits (..., V) -> probabilities (..., V) of the distribution that `sample` draws from."""
+    """Logits (..., V) -> probabilities (..., V) of the distribution that `sample` draws from.
+
+    Raises SamplingError (naming the setting) for a row that cannot be sampled: non-finite logits,
+    or a temperature so small that the scaled logits overflow float32. Filtering never empties a
+    row: top-k keeps the k largest and top-p the most likely token, whatever their values.
+    """
     logits = logits.float()
+    check_logits(logits)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if _unsampleable(logits) is not None:  # finite / tiny overflows to +-inf (and inf - inf is NaN in softmax)
+        raise SamplingError(f"temperature={params.temperature!r} is too small: the scaled logits overflow float32; "
+                            "use temperature=0 for greedy decoding or a larger temperature")
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p is not None and params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        # drop a token when the tokens before it already reach top_p; the most likely token always stays
+        # (as Hugging Face's min_tokens_to_keep=1: a top_p that rounds to 0 in float32 would drop it)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
@@ -61,6 +115,7 @@ def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu"
     With a seed, sequence i of a batch gets the same random stream as a single
     run with seed + i. Without one, the streams are seeded from torch's RNG.
     """
+    check_seed(seed)
     base = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
     gens = []
     for i in range(n):
@@ -78,7 +133,12 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """
     probs = probs.double().cpu()
     cdf = probs.cumsum(-1)  # (B, V)
-    x = (u.double().cpu() * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    total = cdf[:, -1]
+    ok = torch.isfinite(total) & (total > 0) & (probs >= 0).all(-1)
+    if not bool(ok.all()):
+        raise SamplingError(f"probability row {int((~ok).nonzero()[0])} has no mass, a NaN or a negative entry: nothing "
+                            "can be sampled from it (check the logits and the temperature, top_k and top_p settings)")
+    x = (u.double().cpu() * total).unsqueeze(-1)  # (B, 1)
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     out = idx.tolist()
     for b, i in enumerate(out):

@@ -272,7 +272,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         return SpeculativeResult(out[0] if single else out, stats)
     live_prompts = {i: batch[i] for i in active}
     live_budgets = {i: budgets[i] for i in active}
-    tgt = CachedRows(target, live_prompts, live_budgets, block_size)
+    tgt = CachedRows(target, live_prompts, block_size)
     drafter.start(live_prompts, live_budgets, params, block_size, target.config.vocab_size)
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)

@@ -18,6 +18,13 @@ with whitespace or an added token, transformers adds no dummy-prefix space. Both
 added tokens, special ids) so a draft and a target can prove they share a tokenizer.
 `Tokenizer.decoder_stream()` turns ids into text as they are generated without ever
 emitting half a UTF-8 character, and its pieces add up to `decode(all_ids)`.
+
+Tokenizer files come from strangers: every file must be UTF-8 (or a sentencepiece
+protobuf), every field of tokenizer_config.json the type it should be, and the vocabulary
+non-empty; anything else is a TokenizerError naming the file. A chat template is code:
+it runs in jinja's immutable sandbox, in a forked child process with a time limit, a
+memory limit and a limit on the text it writes, so a template that loops or allocates
+without bound is stopped with a TokenizerError instead of hanging or exhausting memory.
 """
 
 from __future__ import annotations
@@ -25,11 +32,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import numbers
+import os
 import re
+import select
+import signal
+import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 
+try:
+    import resource  # POSIX: the chat template renderer's memory limit
+except ImportError:  # pragma: no cover - Windows
+    resource = None
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from . import protobuf
+from .errors import InputError, show
 
 JSON_FILE, SPM_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 # the tokenizer files a checkpoint carries verbatim, when present (load reads them, save writes them back,
@@ -37,19 +59,62 @@ JSON_FILE, SPM_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer.model", "tokeniz
 TOKENIZER_FILES = (JSON_FILE, SPM_FILE, CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
 
 
-class TokenizerError(ValueError):
+# the limits a chat template renders under (see _render_chat_template)
+CHAT_TEMPLATE_SECONDS = 10.0  # wall-clock time
+CHAT_TEMPLATE_MAX_CHARS = 16 * 2**20  # length of the rendered prompt
+CHAT_TEMPLATE_MEMORY = 2**30  # bytes of memory the rendering may add (Linux)
+
+
+class TokenizerError(InputError):
     """Tokenizer files are missing, inconsistent, or cannot be used."""
 
 
-def _token_text(tok) -> str | None:
+def _token_text(tok, where: str) -> str | None:
     """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
-    if isinstance(tok, dict):
-        return tok.get("content")
-    return tok
+    text = tok.get("content") if isinstance(tok, dict) else tok
+    if text is not None and not isinstance(text, str):
+        raise TokenizerError(f"{where} must be a token string or {{\"content\": string}}, got {show(tok)}")
+    return text
+
+
+def _text(data: bytes, name: str) -> str:
+    """A tokenizer file's bytes as text; a TokenizerError naming the file when they are not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}); re-create or re-download it") from None
+
+
+def _json_object(data: bytes, name: str) -> dict:
+    """A tokenizer file holding a JSON object (tokenizer_config.json, special_tokens_map.json)."""
+    text = _text(data, name)
+    try:
+        d = json.loads(text)
+    except RecursionError:
+        raise TokenizerError(f"{name} nests JSON too deeply") from None
+    except ValueError as e:  # invalid JSON, or an integer past Python's digit limit
+        raise TokenizerError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{name} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 # ---------------------------------------------------------------------------------------------
 # backends: plain encode/decode without bos/eos; the Tokenizer adds those
+
+def _library_call(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) from the tokenizers library; its failures become a TokenizerError naming tokenizer.json.
+
+    A damaged file can make the library's Rust code panic, which reaches Python as a PanicException:
+    a BaseException, so it is caught here too (interrupts and exits are not).
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise TokenizerError(f"{JSON_FILE} {what} ({type(e).__name__}: {show(str(e), 300)})") from None
+
 
 class _JsonBackend:
     """tokenizer.json through the `tokenizers` library."""
@@ -58,24 +123,21 @@ class _JsonBackend:
 
     def __init__(self, data: bytes):
         from tokenizers import Tokenizer as HFTokenizer
-        text = data.decode("utf-8")
-        try:
-            self.tok = HFTokenizer.from_str(text)
-        except Exception as e:
-            raise TokenizerError(f"{JSON_FILE} cannot be read by the tokenizers library ({e})") from None
-        self.spec = json.loads(text)
+        text = _text(data, JSON_FILE)
+        self.tok = _library_call("cannot be read by the tokenizers library", HFTokenizer.from_str, text)
+        self.spec = json.loads(text)  # what the library just parsed
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(t["id"] for t in self.spec.get("added_tokens", []) if t.get("special"))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return _library_call("fails to encode", self.tok.encode, text, add_special_tokens=False).ids
 
     def encode_with_template(self, text: str) -> list[int]:
         """What the file's own post-processor adds (e.g. Llama 3's <|begin_of_text|>)."""
-        return self.tok.encode(text, add_special_tokens=True).ids
+        return _library_call("fails to encode", self.tok.encode, text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _library_call("fails to decode", self.tok.decode, ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -218,22 +280,25 @@ class Tokenizer:
             self.backend = _SentencePieceBackend(files[SPM_FILE])
         else:
             raise TokenizerError(f"no {JSON_FILE} or {SPM_FILE} among the tokenizer files {sorted(files)}")
-        try:
-            self.config = json.loads(files[CONFIG_FILE]) if CONFIG_FILE in files else {}
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+        if self.backend.vocab_size < 1:
+            raise TokenizerError(f"{self.backend.kind} holds no tokens (an empty or damaged file); re-create or re-download it")
+        self.config = _json_object(files[CONFIG_FILE], CONFIG_FILE) if CONFIG_FILE in files else {}
         specials = {}
         if "special_tokens_map.json" in files:
-            specials = json.loads(files["special_tokens_map.json"])
+            specials = _json_object(files["special_tokens_map.json"], "special_tokens_map.json")
+        for flag in ("add_bos_token", "add_eos_token"):
+            if flag in self.config and not isinstance(self.config[flag], bool):
+                raise TokenizerError(f"{CONFIG_FILE}: {flag} must be true or false, got {show(self.config[flag])}")
         self.special_tokens = {}  # bos_token, eos_token, ... -> text, for chat templates
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            text = _token_text(self.config.get(name, specials.get(name)))
+            text = _token_text(self.config.get(name, specials.get(name)), f"{CONFIG_FILE}: {name}")
             if text is not None:
                 self.special_tokens[name] = text
         self.bos_id = self._special_id("bos_token")
         eos = self.config.get("eos_token", specials.get("eos_token"))
         eos_list = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = tuple(i for i in (self._id_of(_token_text(t), "eos_token") for t in eos_list) if i is not None)
+        self.eos_ids = tuple(i for i in (self._id_of(_token_text(t, f"{CONFIG_FILE}: eos_token"), "eos_token")
+                                         for t in eos_list) if i is not None)
         if isinstance(self.backend, _SentencePieceBackend):
             sp = self.backend.sp
             if self.bos_id is None and "bos_token" not in self.config and sp.bos_id() >= 0:
@@ -245,7 +310,7 @@ class Tokenizer:
             if i is not None:
                 self.special_tokens.setdefault(name, self.backend.id_to_token(i))
         self.add_bos = self._default_add_bos()
-        self.add_eos = bool(self.config.get("add_eos_token", False))
+        self.add_eos = self.config.get("add_eos_token", False)
         self.chat_template = self._find_chat_template()
 
     # -- construction helpers
@@ -263,7 +328,7 @@ class Tokenizer:
 
     def _default_add_bos(self) -> bool:
         if "add_bos_token" in self.config:
-            return bool(self.config["add_bos_token"]) and self.bos_id is not None
+            return self.config["add_bos_token"] and self.bos_id is not None
         if isinstance(self.backend, _SentencePieceBackend):
             return self.bos_id is not None
         templated = self.backend.encode_with_template("a")
@@ -271,11 +336,14 @@ class Tokenizer:
 
     def _find_chat_template(self) -> str | None:
         if "chat_template.jinja" in self._files:
-            return self._files["chat_template.jinja"].decode("utf-8")
+            return _text(self._files["chat_template.jinja"], "chat_template.jinja")
         t = self.config.get("chat_template")
         if isinstance(t, list):  # several named templates: the default one
             named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
             t = named.get("default")
+        if t is not None and not isinstance(t, str):
+            raise TokenizerError(f"{CONFIG_FILE}: chat_template must be a string (or a list of named templates), "
+                                 f"got {show(t)}")
         return t
 
     # -- the interface
@@ -305,11 +373,25 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Ids -> text; special tokens are shown unless skip_special_tokens."""
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        ids = self.check_ids(ids)
+        return self.backend.decode(ids, skip_special_tokens) if ids else ""
+
+    def check_ids(self, ids) -> list[int]:
+        """Token ids (a list, or a tensor/array of integers) as a list of ints, each in the vocabulary.
+
+        A float or bool id is refused, never truncated (1.7 is not token 1, True is not token 1).
+        """
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TokenizerError(f"token ids must be a list of integers, got {show(ids)}")
+        out = []
         for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise TokenizerError(f"token id {show(i)} is not an integer")
             if not 0 <= i < self.vocab_size:
                 raise TokenizerError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens) if ids else ""
+            out.append(int(i))
+        return out
 
     def decoder_stream(self, skip_special_tokens: bool = False) -> "DecoderStream":
         """An incremental decoder: push(ids) returns the new complete text; flush() the rest."""
@@ -378,7 +460,7 @@ class DecoderStream:
         self.read = 0  # ids[prefix:read] decode to text that has already been emitted
 
     def push(self, ids) -> str:
-        self.ids.extend(int(i) for i in ids)
+        self.ids.extend(self.tok.check_ids(ids))
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
         text = self.tok.decode(self.ids[self.prefix:], self.skip)
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
@@ -395,13 +477,27 @@ class DecoderStream:
 
 
 def _render_chat_template(template: str, messages, add_generation_prompt: bool, **variables) -> str:
-    try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:  # pragma: no cover - jinja2 is a dependency
-        raise TokenizerError("chat templates need jinja2: pip install jinja2") from None
+    """Render a chat template in jinja's sandbox, in a child process, under the CHAT_TEMPLATE_* limits.
 
+    The sandbox keeps the template from reaching Python internals; the child process keeps it from
+    hanging the caller or exhausting its memory: a render that runs past CHAT_TEMPLATE_SECONDS is
+    killed, one that allocates more than CHAT_TEMPLATE_MEMORY gets a MemoryError (Linux's address-space
+    limit), and one that writes more than CHAT_TEMPLATE_MAX_CHARS is stopped. Each case is a
+    TokenizerError. A fork costs tens of milliseconds in a process that holds a model; where there is
+    no fork (Windows), or none is granted, the template renders in-process with the output limit only.
+    """
+    variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt)
+    text = _render_in_child(template, variables) if hasattr(os, "fork") else None
+    return _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS) if text is None else text
+
+
+def _render_limited(template: str, variables: dict, max_chars: int) -> str:
+    """Render in an immutable sandbox as transformers does, stopping once the output passes max_chars.
+
+    Rendered as transformers does: trim_blocks and lstrip_blocks, the loopcontrols extension, the
+    tojson filter, raise_exception and strftime_now. Whatever the template raises is its own failure,
+    a TokenizerError.
+    """
     def raise_exception(message):
         raise TemplateError(message)
 
@@ -413,10 +509,110 @@ def _render_chat_template(template: str, messages, add_generation_prompt: bool, 
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **variables)
+        parts, n = [], 0
+        for piece in env.from_string(template).generate(**variables):
+            n += len(piece)
+            if n > max_chars:
+                raise TokenizerError(f"the chat template writes more than {max_chars} characters; it may loop without end")
+            parts.append(piece)
+        return "".join(parts)
+    except TokenizerError:
+        raise
     except TemplateError as e:
         raise TokenizerError(f"the chat template failed: {e}") from None
+    except MemoryError:
+        raise TokenizerError("the chat template needs more memory than a prompt can; it may allocate without bound") from None
+    except RecursionError:
+        raise TokenizerError("the chat template recurses without end") from None
+    except Exception as e:  # an error in the template's own code (a TypeError, ...)
+        raise TokenizerError(f"the chat template failed: {type(e).__name__}: {show(str(e), 200)}") from None
+
+
+def _render_in_child(template: str, variables: dict) -> str | None:
+    """_render_limited in a forked child under a time and memory limit; its result comes back through a pipe.
+
+    None when no child can be started (the system refuses a pipe or a fork).
+    """
+    try:
+        r, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads; the child
+            warnings.simplefilter("ignore", DeprecationWarning)  # only renders (pure Python) and exits
+            pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:
+        os.close(r)
+        _child_render(w, template, variables)
+    os.close(w)
+    try:
+        data = _read_child(r, pid, time.monotonic() + CHAT_TEMPLATE_SECONDS, 4 * CHAT_TEMPLATE_MAX_CHARS + 1)
+    finally:
+        os.close(r)
+    if data[:1] == b"O":
+        return data[1:].decode("utf-8", "surrogatepass")
+    if data[:1] == b"E":
+        raise TokenizerError(data[1:].decode("utf-8", "replace"))
+    raise TokenizerError("the chat template's renderer died before it finished (out of memory?); the template "
+                         "may allocate without bound")
+
+
+def _child_render(fd: int, template: str, variables: dict) -> None:
+    """In the forked child: render under the memory limit, write b"O" + text or b"E" + error to `fd`, and
+    leave with os._exit, running none of the parent's cleanup (atexit, buffered output, pytest's)."""
+    try:
+        _limit_memory(CHAT_TEMPLATE_MEMORY)
+        try:
+            payload = b"O" + _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS).encode("utf-8", "surrogatepass")
+        except TokenizerError as e:
+            payload = b"E" + str(e).encode("utf-8", "replace")
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+    finally:
+        os._exit(0)
+
+
+def _read_child(fd: int, pid: int, deadline: float, max_bytes: int) -> bytes:
+    """Everything the child writes to `fd`, then reap it; kill it past the deadline or max_bytes."""
+    chunks, n = [], 0
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TokenizerError(f"the chat template ran longer than {CHAT_TEMPLATE_SECONDS:g} s; it may loop "
+                                     "without end")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            n += len(chunk)
+            if n > max_bytes:
+                raise TokenizerError(f"the chat template writes more than {CHAT_TEMPLATE_MAX_CHARS} characters")
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _limit_memory(extra: int) -> None:
+    """Cap this process's address space at its current size plus `extra` bytes (Linux; elsewhere no cap)."""
+    if resource is None:
+        return
+    try:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        cap = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (OSError, ValueError):
+        pass
 
 
 def load_tokenizer(path) -> Tokenizer | None:

@@ -139,8 +139,10 @@ def test_tokenizer_files_are_copied_and_special_ids_read(tmp_path):
     hf.save_pretrained(src)
     (src / "generation_config.json").unlink()  # no ids there or in config.json: tokenizer_config.json names them
     files = {
-        "tokenizer.json": json.dumps({"version": "1.0", "added_tokens": [{"id": 3, "content": "<|end|>"}],
-                                      "model": {"type": "BPE", "vocab": {"<s>": 0, "a": 1}}}),
+        # a tokenizer.json the tokenizers library reads: a conversion checks that its output loads
+        "tokenizer.json": json.dumps({"version": "1.0", "added_tokens": [
+            {"id": 3, "content": "<|end|>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}], "model": {"type": "BPE", "vocab": {"<s>": 0, "a": 1, "b": 2}, "merges": []}}),
         "tokenizer_config.json": json.dumps({"bos_token": "<s>", "eos_token": {"content": "<|end|>"},
                                              "added_tokens_decoder": {"3": {"content": "<|end|>"}}}),
         "special_tokens_map.json": json.dumps({"eos_token": "<|end|>"}),

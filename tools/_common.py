@@ -5,7 +5,12 @@
   renamed into place only when complete, so a failed or interrupted run never
   leaves a half-written checkpoint under DST.
 - `tool_parser` and `run_tool`: the command line the tools share (SRC DST
-  [--dtype] [--overwrite] [--quiet]) and its exit codes (0, 1 with `error: ...`).
+  [--dtype] [--overwrite] [--quiet]) and its exit codes (0, 1 with one line
+  `error: ...` for every user error: minispec's InputError and its subclasses, a
+  destination that exists, a file that cannot be read or written).
+- `ConversionError`: what the tools raise for a source they cannot convert.
+- `check_output_loads`: a converted checkpoint is loaded before it is put in place,
+  so a conversion never reports success for a checkpoint that does not load.
 - `write_safetensors`: writes a .safetensors file one tensor at a time.
   safetensors' own `save_file` needs every tensor in memory at once; streaming
   keeps the peak at one source tensor (plus its dtype-converted copy), so a
@@ -33,6 +38,8 @@ import torch
 
 from minispec.checkpoint import atomic_output_dir  # noqa: F401  (re-exported for the tools)
 from minispec.config import read_json  # noqa: F401  (re-exported for the tools)
+from minispec.errors import InputError, one_line
+from minispec.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +48,10 @@ ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", 
             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
             torch.bool: "BOOL"}
 TORCH_DTYPE = {v: k for k, v in ST_DTYPE.items()}
+
+
+class ConversionError(InputError):
+    """The source cannot be converted; the message says why and what to do."""
 
 
 @dataclass
@@ -67,15 +78,36 @@ def tool_parser(description: str, src_help: str, dst_help: str, src_metavar: str
     return ap
 
 
-def run_tool(job: Callable[[], str], errors: tuple[type[Exception], ...]) -> int:
-    """Print the line job() returns and return 0; on one of `errors`, print `error: ...` to stderr and return 1."""
+def run_tool(job: Callable[[], str], errors: tuple[type[Exception], ...] = ()) -> int:
+    """Print the line job() returns and return 0; on a user error print one line `error: ...` to stderr, return 1.
+
+    User errors: minispec's InputError (ConversionError, CheckpointError, ConfigError, TokenizerError, ...),
+    OSError (a missing, unreadable or unwritable file, an existing destination) and `errors`. Anything
+    else is a bug and keeps its traceback.
+    """
     try:
         line = job()
-    except errors as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (InputError, OSError, *errors) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
     print(line)
     return 0
+
+
+def check_output_loads(tmp: Path, dst: Path, src: Path) -> None:
+    """Load the checkpoint just written to `tmp` (config, weights, tokenizer): a ConversionError if it does not.
+
+    Called on the temporary directory before it becomes `dst`, so a conversion never reports
+    success for, or leaves, a checkpoint that minispec cannot load.
+    """
+    try:
+        Transformer.from_pretrained(tmp)
+    except InputError as e:
+        raise ConversionError(f"the checkpoint converted from {src} does not load ({one_line(e).replace(str(tmp), str(dst))}), "
+                              f"so {dst} was not written; the source is inconsistent: fix it or report it") from None
 
 
 def progress(iterable, total: int, desc: str, enabled: bool):

@@ -14,16 +14,21 @@ What a GGUF holds and what becomes of it:
   sentencepiece's ModelProto by the small protobuf writer below, so protobuf is not needed),
   plus tokenizer_config.json with the special tokens and the chat template.
 
-Everything that can be checked without reading the weights is checked first. The output is
-written to a temporary directory beside DST and renamed into place at the end (tools/_common.py),
-so a failed conversion (unsupported architecture or tensor type, truncated file, missing
-tensor) leaves no DST behind; an existing DST is refused, or with --overwrite replaced only
-once the new one is complete.
+Everything that can be checked without reading the weights is checked first, and the file is
+read as hostile: tensor data must lie inside the file, in order, aligned and without overlap
+(two tensors reading the same bytes would convert into wrong weights); metadata counts must be
+positive integers and floats finite; the layer count must match the tensors before anything is
+built. The output is written to a temporary directory beside DST, loaded back as a check, and
+renamed into place at the end (tools/_common.py), so a failed conversion (unsupported
+architecture or tensor type, truncated file, missing tensor, a checkpoint that would not load)
+leaves no DST behind; an existing DST is refused, or with --overwrite replaced only once the new
+one is complete.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -43,18 +48,16 @@ try:  # run from a source checkout without installing minispec
 except ImportError:  # pragma: no cover
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DTYPES, TensorEntry, atomic_output_dir, run_tool, tool_parser, write_safetensors
+from _common import (DTYPES, ConversionError, TensorEntry, atomic_output_dir, check_output_loads, run_tool,
+                     tool_parser, write_safetensors)
 
-from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_shapes
-from minispec.config import ModelConfig
+from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_tensors
+from minispec.config import MAX_COUNT, ModelConfig
+from minispec.errors import InputError, show
 from minispec.model import Transformer
 from minispec import protobuf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-class ConversionError(ValueError):
-    """The GGUF file cannot be converted; the message says why and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +138,80 @@ def _field_value(field):
         values = np.concatenate([field.parts[i] for i in field.data]) if len(field.data) else np.array([])
         return [bool(v) for v in values] if sub == T.BOOL else values.tolist()
     return scalar(field.parts[field.data[0]], kind)
+
+
+# `{arch}.*` metadata that must be a positive integer (at most MAX_COUNT), or a finite positive float
+_COUNT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+               "vocab_size")
+_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
+# tokenizer.ggml.* keys and the Python type each must have
+_TOKENIZER_TYPES = {"model": str, "pre": str, "tokens": list, "scores": list, "token_type": list, "merges": list,
+                    "add_bos_token": bool, "add_eos_token": bool, "add_space_prefix": bool}
+
+
+def check_metadata(meta: dict, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """Refuse metadata that would build something absurd or wrong, naming the key: counts that are not
+    positive integers (head_count 0, a string, a per-layer list), non-finite floats, token ids that are
+    not integers, tokenizer fields of the wrong type, more tokens than the embedding has rows."""
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ConversionError(f"{source}: general.architecture must be a string, got {show(arch)}")
+    for suffix in _COUNT_KEYS:
+        v = meta.get(f"{arch}.{suffix}")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_COUNT):
+            raise ConversionError(f"{source}: metadata {arch}.{suffix} must be a positive integer (at most {MAX_COUNT}; "
+                                  f"per-layer lists are not supported), got {show(v)}")
+    for suffix in _FLOAT_KEYS:
+        v = meta.get(f"{arch}.{suffix}")
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0):
+            raise ConversionError(f"{source}: metadata {arch}.{suffix} must be a finite positive number, got {show(v)}")
+    for key, v in meta.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and v is not None \
+                and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConversionError(f"{source}: metadata {key} must be a token id (an integer >= 0), got {show(v)}")
+    for name, kind in _TOKENIZER_TYPES.items():
+        v = meta.get(f"tokenizer.ggml.{name}")
+        if v is not None and not isinstance(v, kind):
+            raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} must be a {kind.__name__}, got {show(v)}")
+    for name, ok, kind in (("tokens", lambda t: isinstance(t, str), "strings"),
+                           ("merges", lambda t: isinstance(t, str), "strings"),
+                           ("scores", lambda t: isinstance(t, (int, float)) and not isinstance(t, bool)
+                            and abs(t) <= np.finfo(np.float32).max, "float32 numbers"),
+                           ("token_type", lambda t: isinstance(t, int) and not isinstance(t, bool), "integers")):
+        if not all(map(ok, meta.get(f"tokenizer.ggml.{name}", ()))):
+            raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} must be a list of {kind}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embd = shapes.get("token_embd.weight")
+    if embd is not None and len(embd) != 2:
+        raise ConversionError(f"{source}: tensor token_embd.weight has shape {embd}; an embedding is (vocab, dim)")
+    if embd is not None and tokens is not None and len(tokens) > embd[0]:
+        raise ConversionError(f"{source}: the vocabulary lists {len(tokens)} tokens, the embedding has only {embd[0]} "
+                              "rows; the file is inconsistent")
+
+
+def check_tensor_layout(reader, size: int, path: Path) -> None:
+    """Tensor data must be where GGUF puts it: each tensor's bytes inside the file, at an aligned offset
+    into the data section, after the previous tensor's (in order, so no two tensors share bytes), and as
+    many as its shape and type need."""
+    end, prev = 0, None
+    for t in reader.tensors:
+        rel = t.data_offset - reader.data_offset
+        n = math.prod(int(d) for d in t.shape)  # exact (the reader's numpy product wraps around in uint64)
+        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if n != t.n_elements or n % block or t.n_bytes != n // block * type_size:
+            raise ConversionError(f"{path}: tensor {t.name!r} of shape {[int(d) for d in t.shape]} and type "
+                                  f"{t.tensor_type.name} does not have a valid size; the file is corrupt")
+        if t.data_offset + t.n_bytes > size:
+            raise ConversionError(f"{path} is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}, "
+                                  f"the file has {size} bytes; download or copy it again")
+        if rel % reader.alignment:
+            raise ConversionError(f"{path}: tensor {t.name!r} starts at data offset {rel}, not a multiple of the "
+                                  f"alignment {reader.alignment}; the file is corrupt")
+        if rel < end:
+            raise ConversionError(f"{path}: tensor {t.name!r} (data offset {rel}) overlaps or precedes {prev!r} "
+                                  f"(which ends at {end}); the file is corrupt or crafted: its weights would be wrong")
+        end, prev = rel + t.n_bytes, t.name
 
 
 def read_metadata(reader) -> dict:
@@ -260,7 +337,10 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
         if not sep:
             raise ConversionError(f"merge {m!r} in tokenizer.ggml.merges is not two tokens separated by a space")
         pairs.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # the tokenizers library's own check, e.g. a merge of tokens not in the vocabulary
+        raise ConversionError(f"tokenizer.ggml.tokens/merges do not make a BPE tokenizer ({show(str(e), 200)})") from None
     tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -365,15 +445,12 @@ def open_gguf(path: Path):
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(str(path))
+        with np.errstate(all="ignore"):  # a crafted offset overflows numpy's uint64 sum: checked below, not warned
+            reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader fails in many ways on a damaged file: say which file and what to do
         raise ConversionError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file may be truncated or "
                               "corrupt: download or copy it again") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ConversionError(f"{path} is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}, "
-                                  f"the file has {size} bytes; download or copy it again")
+    check_tensor_layout(reader, path.stat().st_size, path)
     return reader
 
 
@@ -411,6 +488,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     reader = open_gguf(src)
     meta = read_metadata(reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    check_metadata(meta, shapes, str(src))
     cfg = config_from_metadata(meta, shapes, str(src))
     tok_files = tokenizer_files(meta)
     entries = []
@@ -418,11 +496,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         check_tensor_type(t)
         name = gguf_to_minispec_name(t.name)
         entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype], lambda t=t, name=name: load_tensor(t, name, cfg)))
-    with torch.device("meta"):
-        expected = expected_shapes(Transformer(cfg))
     try:
-        check_state_dict({e.name: e.shape for e in entries}, expected, str(src))
-    except ValueError as e:
+        got = {e.name: e.shape for e in entries}
+        check_state_dict(got, expected_tensors(Transformer, cfg, got, str(src)), str(src))  # layers counted first
+    except InputError as e:
         raise ConversionError(str(e)) from None
     entries.sort(key=lambda e: e.name)
     with atomic_output_dir(dst, overwrite=overwrite) as tmp:
@@ -431,6 +508,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         cfg.save(str(tmp / CONFIG_NAME))
         for name, data in tok_files.items():
             (tmp / name).write_bytes(data)
+        check_output_loads(tmp, dst, src)
     return cfg
 
 
@@ -444,7 +522,7 @@ def main(argv=None) -> int:
         cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
         return (f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
                 f"vocab {cfg.vocab_size}, {args.dtype}")
-    return run_tool(job, (ConversionError, FileExistsError))
+    return run_tool(job)
 
 
 if __name__ == "__main__":

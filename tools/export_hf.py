@@ -28,8 +28,8 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import TORCH_DTYPE, TensorEntry, atomic_output_dir, copy_files, run_tool, tool_parser, write_safetensors
-from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
-                                 expected_shapes, minispec_to_hf_name)
+from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_dtypes,
+                                 check_head_ids, check_state_dict, expected_tensors, minispec_to_hf_name)
 from minispec.config import ModelConfig
 from minispec.model import Transformer
 
@@ -76,8 +76,6 @@ def export(src: str | Path, dst: str | Path, overwrite: bool = False, progress: 
     wfile = src / WEIGHTS_NAME
     if not wfile.is_file():
         raise CheckpointError(f"{src}: no {WEIGHTS_NAME}")
-    with torch.device("meta"):
-        expected = expected_shapes(Transformer(cfg))
     with contextlib.ExitStack() as stack:
         try:
             f = stack.enter_context(safe_open(str(wfile), framework="pt"))
@@ -86,7 +84,10 @@ def export(src: str | Path, dst: str | Path, overwrite: bool = False, progress: 
             raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
                                   "the file may be truncated or corrupt") from None
         shapes = {n: tuple(s.get_shape()) for n, s in slices.items()}
-        check_state_dict(shapes, expected, str(wfile))
+        check_state_dict(shapes, expected_tensors(Transformer, cfg, shapes, str(wfile)), str(wfile))  # layers first
+        check_dtypes({n: s.get_dtype() for n, s in slices.items()}, str(wfile))
+        if "head_ids" in slices:
+            check_head_ids(f.get_tensor("head_ids"), cfg.vocab_size, str(wfile))
         dtypes = {n: TORCH_DTYPE[s.get_dtype()] for n, s in slices.items()}
         entries = [TensorEntry(minispec_to_hf_name(n), shapes[n], dtypes[n], lambda n=n: f.get_tensor(n))
                    for n in slices if n not in ("head_ids", "lm_head.weight")]
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> str:
         hf = export(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
         return f"wrote {args.dst} ({hf['architectures'][0]})"
-    return run_tool(job, (CheckpointError, ValueError, FileNotFoundError, FileExistsError))
+    return run_tool(job)
 
 
 if __name__ == "__main__":
