@@ -299,10 +299,13 @@ class Transformer(nn.Module):
     # ---- the paged-cache path ----
 
     def new_cache(self, num_blocks: int | None = None, block_size: int = 16, memory_bytes: int | None = None,
-                  dtype: torch.dtype | None = None) -> PagedKVCache:
+                  dtype: torch.dtype | None = None, max_blocks: int | None = None) -> PagedKVCache:
+        """A paged cache for this model: a fixed pool (num_blocks, or as many as memory_bytes holds) or, given
+        neither, one that grows by blocks as its sequences do (up to max_blocks when given)."""
         c = self.config
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks=num_blocks, block_size=block_size,
-                            memory_bytes=memory_bytes, dtype=dtype or self.dtype, device=self.device)
+                            memory_bytes=memory_bytes, dtype=dtype or self.dtype, device=self.device,
+                            max_blocks=max_blocks)
 
     @torch.inference_mode()
     def step(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[list[int]],
