@@ -29,6 +29,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     head_vocab_size: int | None = None  # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get logit -inf. None = every id
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
+    sampled_vocab_size: int | None = None  # ids at or above this are padding rows of the embedding (Qwen2: 151,665 tokens, 151,936 rows): their logits are -inf, so they are never sampled. None = every id is a token
     bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
     eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
 
@@ -58,6 +59,10 @@ class ModelConfig:
                 raise ValueError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {self.head_vocab_size!r}")
             if self.tie_embeddings:
                 raise ValueError("head_vocab_size (a subset lm_head) needs tie_embeddings=False")
+        if self.sampled_vocab_size is not None and (
+                not isinstance(self.sampled_vocab_size, int) or not 1 <= self.sampled_vocab_size <= self.vocab_size):
+            raise ValueError(f"sampled_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, "
+                             f"got {self.sampled_vocab_size!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("norm_eps and rope_theta must be positive")
         if self.rope_scaling is not None:
