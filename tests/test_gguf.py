@@ -60,8 +60,8 @@ SPM_VOCAB = 512  # the SentencePiece vocabulary trained for the tiny models
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, ctx=256)
 
 
-def tiny_hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights in Hugging Face layout, keyed by minispec name."""
+def tiny_hf_weights(vocab: int, tied: bool, seed: int = 0, bias: bool = False) -> dict[str, np.ndarray]:
+    """Random weights in Hugging Face layout, keyed by minispec name; with `bias`, q/k/v biases (Qwen2)."""
     rng = np.random.default_rng(seed)
     d, f, hd = TINY["dim"], TINY["ffn_dim"], TINY["dim"] // TINY["n_heads"]
     w = {"embed_tokens.weight": rng.normal(0, 0.5, (vocab, d)), "norm.weight": rng.uniform(0.5, 1.5, d)}
@@ -78,6 +78,9 @@ def tiny_hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarr
         w[p + "mlp.gate_proj.weight"] = rng.normal(0, 0.2, (f, d))
         w[p + "mlp.up_proj.weight"] = rng.normal(0, 0.2, (f, d))
         w[p + "mlp.down_proj.weight"] = rng.normal(0, 0.1, (d, f))
+        if bias:
+            for name, rows in (("q", TINY["n_heads"] * hd), ("k", TINY["n_kv_heads"] * hd), ("v", TINY["n_kv_heads"] * hd)):
+                w[p + f"self_attn.{name}_proj.bias"] = rng.normal(0, 0.5, rows)
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
@@ -124,7 +127,9 @@ def add_metadata(w, meta: dict) -> None:
 
 def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray], types: dict[str, object] | None = None,
                     arch: str = "llama", skip: tuple[str, ...] = ()) -> None:
-    """A llama GGUF of `weights` (minispec names, HF layout); types maps GGUF name -> GGMLQuantizationType."""
+    """A llama (or `arch`) GGUF of `weights` (minispec names, HF layout); types maps GGUF name -> GGMLQuantizationType.
+
+    Q/K rows are permuted as llama.cpp's converter does for llama only (not for qwen2)."""
     types = types or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(TINY["n_layers"])
@@ -141,9 +146,9 @@ def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray]
         g = gguf_name(name)
         if g in skip:
             continue
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, TINY["n_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, TINY["n_kv_heads"])
         qtype = types.get(g, Q.F32)
         if qtype == Q.F32:
@@ -317,16 +322,22 @@ def _train_byte_level_bpe():
     return tok
 
 
-def test_gpt2_vocab_becomes_tokenizer_json(tmp_path):
-    from test_tokenizer import varied_lines
-    ref = _train_byte_level_bpe()
+def byte_level_vocab_meta(ref, pre: str) -> dict:
+    """tokenizer.ggml.* metadata of the trained byte-level BPE `ref` (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2)."""
     spec = json.loads(ref.to_str())
     vocab = spec["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": [3 if t.startswith("<|") else 1 for t in tokens],
             "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+
+
+def test_gpt2_vocab_becomes_tokenizer_json(tmp_path):
+    from test_tokenizer import varied_lines
+    ref = _train_byte_level_bpe()
+    meta = byte_level_vocab_meta(ref, "gpt2")
+    tokens = meta["tokenizer.ggml.tokens"]
     write_tiny_gguf(tmp_path / "bpe.gguf", meta, tiny_hf_weights(len(tokens), tied=True))
     conv.convert(tmp_path / "bpe.gguf", tmp_path / "out", progress=False)
     tok = load_tokenizer(tmp_path / "out")
@@ -341,6 +352,55 @@ def test_gpt2_vocab_becomes_tokenizer_json(tmp_path):
     with pytest.raises(conv.ConversionError, match="some-future-model"):
         conv.convert(tmp_path / "bad.gguf", tmp_path / "bad_out", progress=False)
     assert not (tmp_path / "bad_out").exists()
+
+
+def test_qwen2_gguf_matches_transformers(tmp_path):
+    """A tiny qwen2 GGUF as llama.cpp writes one: q/k/v biases, Q/K rows not permuted, an untied head, quantized
+    types, and a token list padded with UNUSED placeholders to the embedding's rows. Weights, logits and the
+    tokenizer against transformers' own GGUF loader; the padding ids get logit -inf (transformers scores them)."""
+    transformers = pytest.importorskip("transformers")
+    import unicodedata
+
+    from test_tokenizer import varied_lines
+    meta = byte_level_vocab_meta(_train_byte_level_bpe(), "qwen2")
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] += [f"[PAD{i}]" for i in range(n, n + 8)]
+    meta["tokenizer.ggml.token_type"] += [conv.UNUSED] * 8
+    meta["tokenizer.ggml.add_bos_token"] = False
+    weights = tiny_hf_weights(n + 8, tied=False, seed=5, bias=True)
+    types = {"token_embd.weight": Q.Q5_0, "output.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q5_0,
+             "blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K, "blk.1.attn_v.weight": Q.Q8_0}
+    write_tiny_gguf(tmp_path / "qwen2.gguf", meta, weights, types, arch="qwen2")
+    cfg = conv.convert(tmp_path / "qwen2.gguf", tmp_path / "out", progress=False)
+    assert cfg.qkv_bias and not cfg.tie_embeddings and cfg.vocab_size == n + 8 and cfg.sampled_vocab_size == n
+    assert cfg.eos_id == [2, 0]  # <|im_end|>, then <|endoftext|>: Qwen2's second stop token
+    ours = Transformer.from_pretrained(tmp_path / "out")
+    # an F32 tensor comes back bit-exact: nothing un-permuted
+    for name in ("layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight", "layers.0.self_attn.k_proj.bias"):
+        assert torch.equal(ours.state_dict()[name], torch.from_numpy(weights[name])), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen2.gguf", dtype=torch.float32)
+    hf_state = hf.state_dict()
+    for name, w in ours.state_dict().items():
+        ref = hf_state["model." + name if name != "lm_head.weight" else name]
+        assert torch.allclose(w, ref, atol=1e-6, rtol=0), f"{name}: max diff {(w - ref).abs().max()}"
+    ids = torch.tensor([[1, 5, 17, 200, 3, 99, 42, 7]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    logits = ours(ids)
+    assert (logits[..., :n] - ref[..., :n]).abs().max().item() < 1e-4
+    assert torch.isneginf(logits[..., n:]).all() and torch.isfinite(ref[..., n:]).all()
+    # the tokenizer: Qwen2's split regex and byte-level BPE, as transformers builds it from the same file, and
+    # NFC first, as Qwen2's own tokenizer.json (transformers' GGUF loader skips it: it differs only on text
+    # that NFC changes, so those lines are compared after normalising)
+    tok = load_tokenizer(tmp_path / "out")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="qwen2.gguf")
+    lines = varied_lines(600, seed=14) + ["cafe\u0301 \u212b \uf900", "e\u0301\u0301"]
+    for line in lines:
+        nfc = unicodedata.normalize("NFC", line)
+        assert tok.encode(line) == hf_tok.encode(nfc, add_special_tokens=False), repr(line)
+        assert tok.decode(tok.encode(line)) == nfc
+    assert sum(unicodedata.normalize("NFC", line) != line for line in lines) >= 2
+    assert tok.encode("<|im_start|>user\n12345<|im_end|>")[0] == 1 and tok.eos_ids == (2,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ def test_config_derives_only_unset_fields():
     (dict(eos_id=99), "outside the vocabulary"),
     (dict(vocab_size=0), "vocab_size must be a positive integer"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "not supported"),
+    (dict(sampled_vocab_size=0), "sampled_vocab_size must be in"),
+    (dict(sampled_vocab_size=17), "sampled_vocab_size must be in"),
 ])
 def test_bad_config(kw, msg):
     base = dict(vocab_size=16, dim=32, n_layers=1, n_heads=4)
@@ -108,6 +110,37 @@ def test_subset_head_scores_only_its_ids(tmp_path):
     assert loaded.head_ids.tolist() == [3, 9, 0, 31, 17] and loaded.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="needs tie_embeddings=False"):
         ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, head_vocab_size=5)
+
+
+def _padded_vocab_model(seed: int, sampled: int | None) -> Transformer:
+    """A tiny model whose ids 24..31 have by far the largest logits: real rows near 0, the last 8 rows at std ~6,
+    so at nearly every position one of them is far ahead; unmasked, they are sampled nearly always."""
+    model = tiny_model(seed=seed, tie_embeddings=False, sampled_vocab_size=sampled)
+    with torch.no_grad():
+        model.lm_head.weight[:24] *= 0.01
+        model.lm_head.weight[24:] *= 50.0
+    return model
+
+
+def test_padding_ids_are_never_sampled():
+    """Ids at or above sampled_vocab_size (padding rows of an embedding, as in Qwen2's) get logit -inf and are
+    never produced: by generate and speculate at temperature 1, from a target and a draft that both favour them."""
+    target, draft = _padded_vocab_model(0, sampled=24), _padded_vocab_model(1, sampled=24)
+    x = torch.randint(0, 24, (2, 5), generator=torch.Generator().manual_seed(3))
+    logits = target(x)
+    assert torch.isneginf(logits[..., 24:]).all() and torch.isfinite(logits[..., :24]).all()
+    cache = target.new_cache(num_blocks=8)
+    assert torch.isneginf(target.step(cache, [cache.new_sequence()], [x[0].tolist()])[..., 24:]).all()
+    prompts = [[1, 2, 3], [7]]
+    for seed in range(3):
+        for out in (target.generate(prompts, max_new_tokens=24, temperature=1.0, seed=seed, stop_tokens=[]),
+                    target.speculate(draft, prompts, k=3, max_new_tokens=24, temperature=1.0, seed=seed,
+                                     stop_tokens=[]).tokens):
+            assert all(len(t) == 24 and max(t) < 24 for t in out), out
+    # negative control: the same weights without the bound sample the padding ids almost every time
+    unmasked = _padded_vocab_model(0, sampled=None)
+    out = unmasked.generate(prompts, max_new_tokens=24, temperature=1.0, seed=0, stop_tokens=[])
+    assert sum(t >= 24 for seq in out for t in seq) > 40  # of 48
 
 
 def test_rmsnorm_single_row_path_matches_and_keeps_gradients():

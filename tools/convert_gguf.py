@@ -1,14 +1,20 @@
-"""Convert a llama-architecture GGUF file into a minispec checkpoint directory.
+"""Convert a llama- or qwen2-architecture GGUF file into a minispec checkpoint directory.
 
     python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--overwrite]
 
 What a GGUF holds and what becomes of it:
 - tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants) are dequantized
   with `gguf.quants.dequantize` and stored in model.safetensors at --dtype;
-- llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE, which rotates
-  adjacent pairs, matches Hugging Face's rotate-half RoPE; we undo that permutation per head
-  (K with n_kv_heads heads: grouped-query attention);
-- `llama.*` metadata becomes config.json (a ModelConfig);
+- for llama, llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE, which
+  rotates adjacent pairs, matches Hugging Face's rotate-half RoPE; we undo that permutation per
+  head (K with n_kv_heads heads: grouped-query attention). For qwen2 it permutes nothing (its
+  graph uses the rotate-half "NEOX" RoPE), so the rows are taken as stored;
+- qwen2's q/k/v biases (attn_q.bias, ...) become the projections' biases (`qkv_bias`);
+- `output.weight` becomes the lm_head when the file has one; otherwise the head is tied;
+- `{arch}.*` metadata becomes config.json (a ModelConfig): sizes, RoPE base, RMSNorm eps, the
+  context length (at most MAX_SEQ_LEN); a vocabulary padded with UNUSED tokens to the
+  embedding's row count (Qwen2: 151,665 tokens, 151,936 rows) sets `sampled_vocab_size`, so
+  those rows are never sampled;
 - `tokenizer.ggml.*` metadata becomes tokenizer.json (gpt2-style byte-level BPE, built with the
   `tokenizers` library) or tokenizer.model (a SentencePiece vocabulary, serialized as
   sentencepiece's ModelProto by the small protobuf writer below, so protobuf is not needed),
@@ -57,7 +63,14 @@ from minispec.errors import InputError, show
 from minispec.model import Transformer
 from minispec import protobuf
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# the architectures whose attn_q / attn_k rows llama.cpp's converter permutes (LlamaModel.modify_tensors);
+# Qwen2Model writes them as Hugging Face has them
+ROPE_PERMUTED = {"llama": True, "qwen2": False}
+# the longest context recorded in config.json: the RoPE tables are built for max_seq_len positions
+# (2 x max_seq_len x head_dim fp32), so an advertised 128k context would cost memory no run here uses;
+# Qwen2.5's native context is 32,768
+MAX_SEQ_LEN = 32768
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +105,7 @@ def gguf_to_minispec_name(name: str) -> str:
     if name == "rope_freqs.weight":
         raise ConversionError("the file carries rope_freqs.weight (Llama 3.1-style RoPE scaling factors), which this "
                               "converter does not translate; convert the original Hugging Face checkpoint instead")
-    raise ConversionError(f"unexpected tensor {name!r}: it has no minispec counterpart in a llama-architecture model")
+    raise ConversionError(f"unexpected tensor {name!r}: it has no minispec counterpart in a llama or qwen2 model")
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -231,12 +244,49 @@ def _f32_decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+# GGUF token types (llama.cpp's, which follow SentencePiece's piece types)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# tokenizer.ggml.pre -> control tokens that also end generation, beside the file's eos / eot: what the
+# family's own generation_config.json lists (Qwen2.5: [<|im_end|>, <|endoftext|>]) and llama.cpp
+# stops on, though the GGUF metadata has no key for it
+EXTRA_STOP_TOKENS = {"qwen2": ("<|endoftext|>",)}
+
+
+def stop_token_ids(meta: dict) -> list[int]:
+    """The ids that end generation: eos, then a distinct end-of-turn token, then the family's extra stops."""
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    control = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL}
+    ids += [control.get(t) for t in EXTRA_STOP_TOKENS.get(meta.get("tokenizer.ggml.pre"), ())]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def sampled_vocab_size(meta: dict, rows: int) -> int | None:
+    """How many embedding rows are real tokens; None when all are.
+
+    llama.cpp's converter pads a token list shorter than the embedding (Qwen2: 151,665 tokens for
+    151,936 rows) with UNUSED placeholders `[PAD151665]` ...; those trailing ids, and any rows past
+    the token list, are no tokens and must never be sampled.
+    """
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    n = min(len(tokens), rows)
+    while n > 0 and types[n - 1] == UNUSED:
+        n -= 1
+    return n if 0 < n < rows else None
+
+
 def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source: str) -> ModelConfig:
     """ModelConfig from a GGUF's `{arch}.*` keys; `tensors` maps GGUF tensor names to numpy-order shapes."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"{source}: architecture {arch!r} is not supported (supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}); minispec implements the Llama family only")
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}); minispec implements the Llama family "
+                              "(Llama, Qwen2) only")
 
     def key(name, default=None, required=True):
         k = f"{arch}.{name}"
@@ -258,10 +308,7 @@ def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source
     if rope_dims != head_dim:
         raise ConversionError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count={rope_dims} < "
                               f"head_dim={head_dim}) are not supported")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    # a chat model may end a turn with an end-of-turn token distinct from eos: both stop generation
-    eos_id = eos if eot is None or eot == eos else ([eos, eot] if eos is not None else eot)
+    stops = stop_token_ids(meta)
     fields = dict(
         vocab_size=int(vocab_size),
         dim=int(key("embedding_length")),
@@ -272,11 +319,12 @@ def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source
         ffn_dim=int(key("feed_forward_length")),
         norm_eps=_f32_decimal(key("attention.layer_norm_rms_epsilon")),
         rope_theta=_f32_decimal(key("rope.freq_base", 10000.0)),
-        max_seq_len=int(key("context_length", 2048)),
+        max_seq_len=min(int(key("context_length", 2048)), MAX_SEQ_LEN),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        sampled_vocab_size=sampled_vocab_size(meta, int(vocab_size)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_id=eos_id,
+        eos_id=stops[0] if len(stops) == 1 else (stops or None),
     )
     try:
         return ModelConfig(**fields)
@@ -286,9 +334,6 @@ def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer
-
-# GGUF token types (llama.cpp's, which follow SentencePiece's piece types)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # tokenizer.ggml.pre -> the split regex its merges were learned with (None: GPT-2's, built into ByteLevel)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -301,6 +346,10 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
 }
+
+
+# tokenizer.ggml.pre -> the normalizer its tokenizer.json has (Qwen2's: NFC, as Qwen's own tokenizer applies)
+NORMALIZERS = {"qwen2": "NFC"}
 
 
 def _byte_level_pre_tokenizer(pre: str):
@@ -320,7 +369,7 @@ def _byte_level_pre_tokenizer(pre: str):
 
 def build_bpe_tokenizer_json(meta: dict) -> str:
     """tokenizer.json text for a gpt2-style (byte-level BPE) GGUF vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     tokens = meta["tokenizer.ggml.tokens"]
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
@@ -341,7 +390,10 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:  # the tokenizers library's own check, e.g. a merge of tokens not in the vocabulary
         raise ConversionError(f"tokenizer.ggml.tokens/merges do not make a BPE tokenizer ({show(str(e), 200)})") from None
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    if NORMALIZERS.get(pre) == "NFC":
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # control tokens (<|im_start|>, <|endoftext|>, ...) must be matched whole in text, never split into bytes
@@ -420,7 +472,7 @@ def tokenizer_files(meta: dict) -> dict[str, bytes]:
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "bos_token": name("bos"), "eos_token": name("eos"), "unk_token": name("unknown"), "pad_token": name("padding"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+        "model_max_length": min(int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)), MAX_SEQ_LEN),
     }
     if meta.get("tokenizer.ggml.eot_token_id") is not None:
         config["eot_token"] = name("eot")
@@ -460,11 +512,16 @@ def check_tensor_type(t) -> None:
                               f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantize the model to one of those")
 
 
-def load_tensor(t, name: str, cfg: ModelConfig) -> torch.Tensor:
-    """One GGUF tensor -> float32 torch tensor in minispec's layout (numpy order: out x in)."""
+def load_tensor(t, name: str, cfg: ModelConfig, permuted: bool = True) -> torch.Tensor:
+    """One GGUF tensor -> float32 torch tensor in minispec's layout (numpy order: out x in).
+
+    permuted: the file's q/k rows are in llama.cpp's pair-major RoPE order (ROPE_PERMUTED).
+    """
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
     arr = gguf.quants.dequantize(t.data, t.tensor_type)
     w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a writable copy, off the memmap
+    if not permuted:
+        return w
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         w = unpermute_rope_rows(w, cfg.n_heads)
     elif name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -491,11 +548,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     check_metadata(meta, shapes, str(src))
     cfg = config_from_metadata(meta, shapes, str(src))
     tok_files = tokenizer_files(meta)
+    permuted = ROPE_PERMUTED[meta["general.architecture"]]
     entries = []
     for t in reader.tensors:
         check_tensor_type(t)
         name = gguf_to_minispec_name(t.name)
-        entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype], lambda t=t, name=name: load_tensor(t, name, cfg)))
+        entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
+                                   lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
     try:
         got = {e.name: e.shape for e in entries}
         check_state_dict(got, expected_tensors(Transformer, cfg, got, str(src)), str(src))  # layers counted first
@@ -513,7 +572,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
 
 
 def main(argv=None) -> int:
-    args = tool_parser("Convert a llama-architecture GGUF file into a minispec checkpoint dir.",
+    args = tool_parser("Convert a llama- or qwen2-architecture GGUF file into a minispec checkpoint dir.",
                        src_help="the GGUF file", dst_help="the checkpoint directory to create", src_metavar="FILE.gguf",
                        dst_metavar="DST_DIR", dtype_default="float32",
                        dtype_help="dtype of the stored weights (default float32)").parse_args(argv)
