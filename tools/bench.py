@@ -127,7 +127,7 @@ CODER_PROMPTS = [
 # name -> (target dir, draft dir, prompts, the GGUF files both were converted from, or None)
 PAIRS = {
     "smollm2": ("weights/smollm2-135m-instruct", "weights/smollm2-135m-draft", BENCH_PROMPTS, None),
-    "coder": ("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct", CODER_PROMPTS,
+    "coder": ("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct-draft", CODER_PROMPTS,
               ("weights/gguf/qwen2.5-coder-1.5b-instruct.gguf", "weights/gguf/qwen2.5-coder-0.5b-instruct.gguf")),
 }
 
