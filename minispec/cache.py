@@ -1,26 +1,12 @@
 """Paged KV cache: a block pool, per-sequence block tables, rollback and fork.
 
-Two layers, after vLLM's PagedAttention and nano-vllm's block manager:
-
-- `BlockAllocator` is plain Python (no torch): a free list and reference
-  counts. Blocks are shared between sequences by `fork` (refcount + 1) and go
-  back to the pool when their last owner lets go.
-- `PagedKVCache` owns the tensors: one pool per layer holding K and V side by
-  side, (num_blocks * block_size, 2 * n_kv_heads, head_dim) (one write and one
-  gather per layer and step), plus each sequence's block table and length. Token t of a sequence lives at slot
-  `table[t // block_size] * block_size + t % block_size`.
-
-Writing is copy-on-write: before a sequence writes into a block that another
-sequence also holds (a forked partial block), it gets a private copy.
-Rollback after a rejected draft is `truncate(seq, new_len)`; attention masks
-by length, so stale entries past the length are never read.
-
-The pool is either fixed (`num_blocks`, or as many blocks as `memory_bytes` holds)
-or, given neither, grows on demand: it starts empty and, when a reserve needs
-more blocks than are free, is reallocated to at least twice its size (up to
-`max_blocks` when given). Memory then follows the tokens actually held, not a
-worst case reserved up front. Running out of blocks (a fixed pool full, or a
-growing one at max_blocks) raises `CacheExhausted` before anything changes.
+After vLLM's PagedAttention and nano-vllm's block manager. `BlockAllocator` is plain Python (a
+free list and reference counts); `PagedKVCache` owns the tensors: one pool per layer holding K
+and V side by side (one write and one gather per layer and step), and each sequence's block
+table and length. The pool is fixed (`num_blocks`, or what `memory_bytes` holds) or, given
+neither, grows on demand by doubling (up to `max_blocks`), so memory follows the tokens held.
+Slot layout, copy-on-write, rollback and the invariants kept: docs/design.md ("The paged KV
+cache and its invariants").
 """
 
 from __future__ import annotations
@@ -30,20 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import check_int
 
 MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
 
 
 class CacheExhausted(RuntimeError):
     """The block pool cannot hold what was asked; nothing was changed."""
-
-
-def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
-    return v
 
 
 class BlockAllocator:
@@ -155,8 +134,6 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    # ---- sequence bookkeeping (no tensors touched except by copy-on-write) ----
-
     def new_sequence(self) -> int:
         sid = next(self._ids)
         self.tables[sid] = []
@@ -252,8 +229,6 @@ class PagedKVCache:
         """Pool slots of every token `seq` holds, in order."""
         bs, table = self.block_size, self.tables[seq]
         return [table[t // bs] * bs + t % bs for t in range(self.lengths[seq])]
-
-    # ---- attention metadata ----
 
     def prepare(self, seqs: list[int], n_new: list[int]) -> AttentionMetadata:
         """Reserve room for the new tokens and build the metadata for one forward pass."""

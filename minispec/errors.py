@@ -27,3 +27,20 @@ def show(value, limit: int = 60) -> str:
 def one_line(e: BaseException) -> str:
     """An error's message on one line, as the command line prints it (some libraries' messages span several)."""
     return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+
+
+def is_int(v) -> bool:
+    """A true integer: not a bool (True is 1 in Python), not a float, not a string."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
+    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
+        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
+    return v

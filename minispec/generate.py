@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .cache import MAX_BLOCK_SIZE, check_int
-from .errors import InputError
+from .cache import MAX_BLOCK_SIZE
+from .errors import InputError, check_int, is_int
 from .sampling import SamplingParams, check_logits, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
@@ -37,7 +37,7 @@ def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
         if not p:
             raise GenerationError(f"{where} is empty: give at least one token id (e.g. the bos token)")
         for t in p:
-            if not isinstance(t, int) or isinstance(t, bool):
+            if not is_int(t):
                 raise GenerationError(f"{where} holds {t!r}; token ids must be integers")
             if not 0 <= t < cfg.vocab_size:
                 raise GenerationError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
@@ -56,13 +56,13 @@ def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
         raise GenerationError(f"stop_tokens must be a list of token ids or None, got {stop_tokens!r}")
     vocab = model.config.vocab_size
     for t in stop_tokens:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:  # 1.5 or "2" would never match
+        if not is_int(t) or not 0 <= t < vocab:  # 1.5 or "2" would never match
             raise GenerationError(f"stop_tokens holds {t!r}; stop tokens must be integer ids in [0, {vocab})")
     return frozenset(stop_tokens)
 
 
 def check_max_new_tokens(n) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    if not is_int(n) or n < 0:
         raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")
 
 

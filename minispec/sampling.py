@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, is_int, is_number
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
 
@@ -33,11 +33,11 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
+        if not is_number(t) or not math.isfinite(t) or t < 0:
             raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {t!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise SamplingError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+        if self.top_p is not None and (not is_number(self.top_p) or not 0 < self.top_p <= 1):
             raise SamplingError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         check_seed(self.seed)
 
@@ -46,17 +46,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def check_seed(seed) -> None:
     """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
 
 

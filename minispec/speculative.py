@@ -1,34 +1,15 @@
-"""Exact speculative decoding over the paged KV cache.
+"""Exact speculative decoding over the paged KV cache: the maths and the batched loop.
 
-One round, per sequence (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling"):
-
-1. the drafter proposes d_1..d_k, each drawn from q_i, the exact distribution
-   it sampled from (the draft's logits through the same `logits_to_probs`);
-2. the target runs once over [last committed token, d_1..d_k] -> p_1..p_{k+1};
-3. left to right, d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i));
-4. at the first rejection the next token comes from norm(max(0, p_i - q_i));
-5. if all k are accepted, a bonus token comes from p_{k+1};
-6. both caches are truncated back to the committed tokens.
-
-Every emitted token is then distributed exactly as under target-only sampling:
-min(p, q) arrives by acceptance, max(0, p - q) by the residual, and they sum
-to p (`acceptance` computes both halves so the tests can check the sum).
-Greedy decoding is the same rule: `logits_to_probs` makes p and q one-hot, so
-d_i is accepted iff it is the target's argmax and the residual is that argmax.
-
-This module is the maths and the loop. The maths lives in pure functions
-(`acceptance`, `residual`, `verify`, `greedy_verify`, and `sampling.sample_rows`);
-`speculate` is the batched loop around them. Drafters (minispec.drafters) propose;
-k="auto" (minispec.adaptive) picks k each round. `ExactSampler` names the three
-steps a sampler takes (the draft's draw, the acceptance step, its greedy form) so
-that the deliberately broken samplers of minispec.controls can each replace one,
-and the exact path never branches on which sampler runs.
+After Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
+Chen et al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"). The
+maths is pure functions (`acceptance`, `residual`, `verify`, `greedy_verify`); `speculate` is
+the loop around them. One round's six steps, and why the output has the target's law, are in
+docs/design.md ("One speculative round").
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -40,10 +21,6 @@ from .drafters import (CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, c
 from .generate import OnTokens, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 
-
-# ---------------------------------------------------------------------------
-# the maths: pure functions of probability vectors and uniforms
-# ---------------------------------------------------------------------------
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) over the last axis: where the next token comes from after a rejection.
@@ -163,10 +140,6 @@ def get_sampler(sampler: "str | ExactSampler") -> ExactSampler:
     return SAMPLERS[sampler]
 
 
-# ---------------------------------------------------------------------------
-# results
-# ---------------------------------------------------------------------------
-
 @dataclass
 class SpeculativeStats:
     rounds: int = 0  # batched verify passes (one target forward each)
@@ -203,24 +176,24 @@ class SpeculativeStats:
             for name in ("rounds", "sequence_rounds", "drafted", "accepted", "committed", "draft_time_s",
                          "verify_time_s"):
                 setattr(out, name, getattr(out, name) + getattr(st, name))
-            for mine, theirs in ((out.position_drafted, st.position_drafted),
-                                 (out.position_accepted, st.position_accepted)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for j, v in enumerate(theirs):
-                    mine[j] += v
+            _add_counts(out.position_drafted, st.position_drafted)
+            _add_counts(out.position_accepted, st.position_accepted)
             out.k_chosen += st.k_chosen
         return out
 
     def _count(self, n_drafted: int, n_accepted: int) -> None:
-        while len(self.position_drafted) < n_drafted:
-            self.position_drafted.append(0)
-            self.position_accepted.append(0)
-        for j in range(n_drafted):
-            self.position_drafted[j] += 1
-            self.position_accepted[j] += j < n_accepted
+        _add_counts(self.position_drafted, [1] * n_drafted)
+        _add_counts(self.position_accepted, [1] * n_accepted + [0] * (n_drafted - n_accepted))
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.sequence_rounds += 1
+
+
+def _add_counts(mine: list[int], theirs: list[int]) -> None:
+    """mine[j] += theirs[j] for every j, mine first lengthened with zeros to cover theirs."""
+    mine.extend([0] * (len(theirs) - len(mine)))
+    for j, v in enumerate(theirs):
+        mine[j] += v
 
 
 @dataclass
@@ -300,9 +273,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
             t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
             probs = logits_to_probs(target.logits(h[b_idx, t_idx]).float(), params).double().cpu()  # (sum k_b + 1, V)
-            starts = [0]
-            for d in drafts:
-                starts.append(starts[-1] + len(d) + 1)
+            starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of probs
             decided = list(zip(*[policy.verify(drafts[b], qs[b], probs[starts[b]:starts[b + 1]],
                                                torch.rand(len(drafts[b]) + 1, generator=gens[i], dtype=torch.float64))
                                  for b, i in enumerate(active)]))
@@ -312,10 +283,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             stats._count(len(drafts[b]), n)
             n_accepted.append(n)
             new = drafts[b][:n] + [nxt]
-            for j, t in enumerate(new):  # a stop token inside the accepted run ends the sequence there
-                if t in stops:
-                    new = new[:j + 1]
-                    break
+            # a stop token inside the accepted run ends the sequence there
+            new = new[:next((j for j, t in enumerate(new) if t in stops), len(new) - 1) + 1]
             out[i] += new
             contexts[i] += new
             stats.committed += len(new)
