@@ -1,11 +1,12 @@
-"""The one base class of the errors minispec raises for input it refuses.
+"""The errors minispec raises for input it refuses, and the argument checks the core shares.
 
 minispec reads files that come from strangers (checkpoints, GGUF files, tokenizers, chat
 templates) and settings that come from users. Everything it refuses raises an `InputError`:
 a ValueError whose one-line message names the file, field, tensor, setting or argument and
 says what to do. Each area has its own subclass (ConfigError, CheckpointError,
-TokenizerError, SamplingError, the converters' ConversionError), so a caller can catch one
-area or all of them; an exception of any other type escaping a loader is a bug in minispec.
+TokenizerError, SamplingError, GenerationError, the converters' ConversionError), so a caller
+can catch one area or all of them; an exception of any other type escaping a loader is a bug in
+minispec. The checks below are shared by several modules; each area's own checks live with it.
 """
 
 from __future__ import annotations
@@ -44,3 +45,54 @@ def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
     if not is_int(v) or v < lo or (hi is not None and v > hi):
         raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
     return v
+
+
+class GenerationError(InputError):
+    """A prompt, stop token or generation setting that generate (and speculate) refuse."""
+
+
+def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
+    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises GenerationError on bad input."""
+    if isinstance(prompts, str):
+        raise GenerationError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
+    if hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if not prompts:
+        raise GenerationError("empty prompt: give at least one token id (e.g. the bos token)")
+    single = not isinstance(prompts[0], (list, tuple))
+    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    cfg = model.config
+    for i, p in enumerate(batch):
+        where = "prompt" if single else f"prompt {i}"
+        if not p:
+            raise GenerationError(f"{where} is empty: give at least one token id (e.g. the bos token)")
+        for t in p:
+            if not is_int(t):
+                raise GenerationError(f"{where} holds {t!r}; token ids must be integers")
+            if not 0 <= t < cfg.vocab_size:
+                raise GenerationError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
+        if len(p) > cfg.max_seq_len:
+            raise GenerationError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
+    return batch, single
+
+
+def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
+    """None -> the config's eos id(s); an iterable of ids -> those ([] disables stopping)."""
+    if stop_tokens is None:
+        return frozenset(model.config.stop_ids)
+    if isinstance(stop_tokens, int):
+        stop_tokens = [stop_tokens]
+    if isinstance(stop_tokens, str) or not hasattr(stop_tokens, "__iter__"):
+        raise GenerationError(f"stop_tokens must be a list of token ids or None, got {stop_tokens!r}")
+    vocab = model.config.vocab_size
+    for t in stop_tokens:
+        if not is_int(t) or not 0 <= t < vocab:  # 1.5 or "2" would never match
+            raise GenerationError(f"stop_tokens holds {t!r}; stop tokens must be integer ids in [0, {vocab})")
+    return frozenset(stop_tokens)
+
+
+def check_max_new_tokens(n) -> None:
+    """max_new_tokens must be an integer >= 0 (0 returns no tokens)."""
+    if not is_int(n) or n < 0:
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")

@@ -10,60 +10,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .cache import MAX_BLOCK_SIZE
-from .errors import InputError, check_int, is_int
+from .errors import check_int, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
 from .sampling import SamplingParams, check_logits, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
-
-
-class GenerationError(InputError):
-    """A prompt, stop token or generation setting that generate (and speculate) refuse."""
-
-
-def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
-    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises GenerationError on bad input."""
-    if isinstance(prompts, str):
-        raise GenerationError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
-    if hasattr(prompts, "tolist"):
-        prompts = prompts.tolist()
-    prompts = list(prompts)
-    if not prompts:
-        raise GenerationError("empty prompt: give at least one token id (e.g. the bos token)")
-    single = not isinstance(prompts[0], (list, tuple))
-    batch = [list(prompts)] if single else [list(p) for p in prompts]
-    cfg = model.config
-    for i, p in enumerate(batch):
-        where = "prompt" if single else f"prompt {i}"
-        if not p:
-            raise GenerationError(f"{where} is empty: give at least one token id (e.g. the bos token)")
-        for t in p:
-            if not is_int(t):
-                raise GenerationError(f"{where} holds {t!r}; token ids must be integers")
-            if not 0 <= t < cfg.vocab_size:
-                raise GenerationError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
-        if len(p) > cfg.max_seq_len:
-            raise GenerationError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
-    return batch, single
-
-
-def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
-    """None -> the config's eos id(s); an iterable of ids -> those ([] disables stopping)."""
-    if stop_tokens is None:
-        return frozenset(model.config.stop_ids)
-    if isinstance(stop_tokens, int):
-        stop_tokens = [stop_tokens]
-    if isinstance(stop_tokens, str) or not hasattr(stop_tokens, "__iter__"):
-        raise GenerationError(f"stop_tokens must be a list of token ids or None, got {stop_tokens!r}")
-    vocab = model.config.vocab_size
-    for t in stop_tokens:
-        if not is_int(t) or not 0 <= t < vocab:  # 1.5 or "2" would never match
-            raise GenerationError(f"stop_tokens holds {t!r}; stop tokens must be integer ids in [0, {vocab})")
-    return frozenset(stop_tokens)
-
-
-def check_max_new_tokens(n) -> None:
-    if not is_int(n) or n < 0:
-        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")
 
 
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,

@@ -18,7 +18,8 @@ import torch
 from .adaptive import AdaptiveK, auto_k, best_k, expected_tokens  # noqa: F401 (best_k, expected_tokens: re-exported)
 from .drafters import (CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, check_compatible,  # noqa: F401
                        draw_exact, make_drafter)
-from .generate import OnTokens, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .errors import check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..adaptive import AdaptiveK
 from ..drafters import PROMPT_LOOKUP, check_compatible
-from ..generate import normalize_prompts
+from ..errors import normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import get_sampler
 from .stats import ORDERS, RunStats, analyse, pit
