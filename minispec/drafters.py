@@ -1,16 +1,9 @@
-"""Drafters: what proposes the tokens that the target verifies.
+"""Drafters: what proposes the tokens that the target verifies (the `Drafter` protocol).
 
-`speculate` asks a drafter for up to k tokens per sequence and the distributions
-q they were drawn from (see `Drafter`). Two come with minispec:
-
-- `ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples
-  d_1..d_k autoregressively over its own paged cache (`CachedRows`);
-- `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's
-  last tokens earlier in its own context (Saxena 2023); q is one-hot on it.
-
-`CachedRows` is the cache bookkeeping both the target and a model draft use:
-one cache sequence per batch row, with the tokens of a round rolled back to
-what the round committed.
+`ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples d_1..d_k over its own
+paged cache. `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's last tokens
+earlier in its own context (Saxena 2023); q is one-hot on it. `CachedRows`: the cache bookkeeping
+the target and a model draft share, one cache sequence per batch row, rolled back each round.
 """
 
 from __future__ import annotations
@@ -27,10 +20,9 @@ PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
 class CachedRows:
     """A model, its paged cache, and one cache sequence per batch row.
 
-    Between rounds a row's cache holds its committed tokens except `pending`
-    ones; at least the last committed token stays pending, because feeding it
-    is what yields the next position's logits. Rows that share a prompt share
-    its prefill: it runs once and the blocks are forked (copy-on-write).
+    Between rounds a row's cache holds its committed tokens except `pending` ones; at least the last
+    committed token stays pending, because feeding it is what yields the next position's logits. Rows
+    that share a prompt share its prefill: it runs once and the blocks are forked (copy-on-write).
     """
 
     def __init__(self, model, prompts: dict[int, list[int]], block_size: int):
@@ -125,11 +117,9 @@ def draw_exact(logits: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> tu
 class ModelDrafter(Drafter):
     """A smaller Transformer samples d_1..d_k autoregressively over its own paged cache.
 
-    Each step feeds every live row's last token and draws the next from the draft's
-    logits through the same `logits_to_probs` as the target's (so q has the same
-    temperature, top-k and top-p); `draw` is that step, replaceable only so the
-    negative controls (minispec.controls) can break it. Greedy drafting proposes
-    the argmax, and q is one-hot on it.
+    Each step draws from the draft's logits through the same `logits_to_probs` as the target's (so q
+    has the same temperature, top-k and top-p); `draw` is that step, replaceable only so the negative
+    controls (minispec.controls) can break it. Greedy drafting proposes the argmax, q one-hot on it.
     """
 
     def __init__(self, model, draw: Draw = draw_exact):
@@ -145,8 +135,7 @@ class ModelDrafter(Drafter):
         self.rows = CachedRows(self.model, fits, block_size)
 
     def propose(self, rows, ks, contexts, gens):
-        tokens = {r: [] for r in rows}
-        qs = {r: [] for r in rows}
+        tokens, qs = {r: [] for r in rows}, {r: [] for r in rows}
         # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
         ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
         self.steps = max(ks.values(), default=0)
@@ -179,11 +168,9 @@ class ModelDrafter(Drafter):
 class PromptLookupDrafter(Drafter):
     """Model-free drafting: find the sequence's last n tokens earlier in its own context, propose what followed.
 
-    Tries n = ngram down to min_ngram, most recent match first. The proposal is
-    a deterministic function of the context, so q is one-hot on it and the
-    exact rule still applies at any temperature (accept d with probability
-    p(d); on rejection sample p with d removed). No match: no draft, and the
-    round is a plain target step.
+    Tries n = ngram down to min_ngram, most recent match first. The proposal is a deterministic
+    function of the context, so q is one-hot on it and the exact rule applies at any temperature
+    (accept d with probability p(d); on rejection sample p with d removed). No match: no draft.
     """
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):
