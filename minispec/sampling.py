@@ -1,11 +1,9 @@
 """Sampling: logits -> the exact distribution sampled from -> a token.
 
-`logits_to_probs` is the single place where temperature, top-k and top-p are
-applied. Speculative decoding calls it on both the draft's and the target's
-logits, so the draft's q is exactly the distribution its tokens were drawn
-from. Temperature 0 (greedy) is the one-hot distribution on the argmax, which
-makes the greedy acceptance rule a special case of the sampling rule.
-Order of processing follows Hugging Face: temperature, then top-k, then top-p.
+`logits_to_probs` is the single place where temperature, top-k and top-p are applied (in Hugging
+Face's order). Speculative decoding calls it on both the draft's and the target's logits, so the
+draft's q is exactly the distribution its tokens were drawn from. Temperature 0 (greedy) is the
+one-hot distribution on the argmax, which makes the greedy acceptance rule a special case.
 """
 
 from __future__ import annotations
@@ -102,26 +100,20 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One generator per sequence: sequence i of a batch draws from seed + i.
+    """One CPU generator per sequence: sequence i of a batch draws from seed + i.
 
-    With a seed, sequence i of a batch gets the same random stream as a single
-    run with seed + i. Without one, the streams are seeded from torch's RNG.
+    So sequence i gets the same random stream as a single run with seed + i. Without a seed, the
+    streams are seeded from torch's RNG.
     """
     check_seed(seed)
     base = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
-    gens = []
-    for i in range(n):
-        g = torch.Generator(device="cpu")
-        g.manual_seed(base + i)
-        gens.append(g)
-    return gens
+    return [torch.Generator(device="cpu").manual_seed(base + i) for i in range(n)]
 
 
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """Inverse-CDF draw per row: probs (B, V), u (B,) uniforms in [0, 1) -> B token ids.
 
-    The uniforms are given, so callers such as speculative.verify stay pure
-    functions, and a batch of rows costs one call.
+    The uniforms are given, so callers such as speculative.verify stay pure functions.
     """
     probs = probs.double().cpu()
     cdf = probs.cumsum(-1)  # (B, V)
