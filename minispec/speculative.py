@@ -26,8 +26,8 @@ from .sampling import SamplingParams, logits_to_probs, make_generators, sample_r
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) over the last axis: where the next token comes from after a rejection.
 
-    When p == q the residual has no mass, but then no draft token can be
-    rejected; p is returned so the result is always a distribution.
+    When p == q the residual has no mass, but then no draft token can be rejected; p is returned so
+    the result is always a distribution.
     """
     r = (p.double() - q.double()).clamp_min(0.0)
     mass = r.sum(-1, keepdim=True)
@@ -37,11 +37,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one position: accept probability per drafted token, rejection probability, residual.
 
-    p, q: (..., V) target and draft distributions. Returns
-    accept (..., V) = min(1, p/q) (1 where q = 0: such a token is never drafted),
-    reject (...,) = sum max(0, p - q) = P(the draft token is rejected),
-    residual (..., V). The emitted token's distribution is
-    q * accept + reject * residual, which equals p.
+    p, q: (..., V) target and draft distributions. Returns accept (..., V) = min(1, p/q) (1 where q = 0:
+    such a token is never drafted), reject (...,) = sum max(0, p - q) = P(the draft token is rejected),
+    and residual (..., V). The emitted token's distribution is q * accept + reject * residual = p.
     """
     p, q = p.double(), q.double()
     accept = torch.where(q > 0, (p / q.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0), torch.ones_like(p))
@@ -52,11 +50,9 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, int]:
     """The acceptance step of one round for one sequence. Pure: no state, no RNG.
 
-    draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn
-    from; p: (k+1, V) the target's distributions at the same positions plus the
-    bonus position; uniforms: (k+1,) in [0, 1): uniforms[i] decides d_{i+1},
-    uniforms[k] draws the next token.
-    Returns (n_accepted, next_token): the round commits d_1..d_n then next_token.
+    draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn from; p: (k+1, V) the
+    target's at the same positions plus the bonus position; uniforms: (k+1,) in [0, 1): uniforms[i]
+    decides d_{i+1}, uniforms[k] draws the next token. Returns (n_accepted, next_token): the round commits d_1..d_n then next_token.
     """
     k = len(draft_tokens)
     if q.shape[0] != k or p.shape[0] != k + 1 or uniforms.shape[0] != k + 1:
@@ -83,9 +79,8 @@ GREEDY_HEAD_CHUNK = 3
 @torch.inference_mode()
 def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[list[int]],
                   chunk: int = GREEDY_HEAD_CHUNK) -> tuple[list[int], list[int]]:
-    """Greedy acceptance for a batch from the target's hidden states h (B, T, dim): per row, the
-    number of drafts equal to the target's argmax before the first that is not, and the token
-    that follows (the correction, or the bonus after a full acceptance).
+    """Greedy acceptance for a batch from the target's hidden states h (B, T, dim): per row, the number of
+    drafts equal to the target's argmax before the first that is not, and the token that follows.
 
     Position j's logits matter only if drafts 1..j were all accepted, so the lm_head (the largest
     matrix) runs over `chunk` positions at a time, for the rows still in play, and stops early."""
@@ -116,15 +111,9 @@ class ExactSampler:
     """
 
     name = "exact"
-
-    def draw(self, logits, probs, u):
-        return draw_exact(logits, probs, u)
-
-    def verify(self, draft_tokens, q, p, uniforms):
-        return verify(draft_tokens, q, p, uniforms)
-
-    def greedy_verify(self, target, h, n_pending, drafts):
-        return greedy_verify(target, h, n_pending, drafts)
+    draw = staticmethod(draw_exact)  # the exact steps are the module's pure functions
+    verify = staticmethod(verify)
+    greedy_verify = staticmethod(greedy_verify)
 
 
 # sampler name -> sampler. "exact" is the algorithm; minispec.controls registers the deliberately broken
@@ -213,16 +202,14 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
-    k: draft tokens per round; "auto" picks k each round from the running acceptance
-      estimate and the measured step costs (AdaptiveK; 0 = plain decoding when
-      speculation would not pay), carried over from earlier calls with the same
-      draft, sampling settings and batch size (see auto_k); or an AdaptiveK of your own.
-    prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-    on_tokens, block_size: as in minispec.generate.generate (sequence i of a
-    batch samples from the generator seeded seed + i; temperature 0 gives
-    generate's greedy tokens).
+    k: draft tokens per round; "auto" picks k each round from the running acceptance estimate and the
+      measured step costs (AdaptiveK; 0 = plain decoding when speculation would not pay), carried over
+      from earlier calls with the same draft, sampling settings and batch size (see auto_k); or an
+      AdaptiveK of your own.
+    prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
+      minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
     sampler: "exact", or the name of a deliberately broken negative control
-      (minispec.controls: "no-residual", "always-accept", "unprocessed-q", ...).
+      (minispec.controls: "no-residual", "always-accept", "unprocessed-q").
     keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
     """
     params = SamplingParams(temperature, top_k, top_p, seed)
@@ -266,9 +253,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         # from those at its last pending token and at each of its drafts
         h = tgt.feed(active, drafts, hidden=True)
         if params.greedy:
-            # p is one-hot on the target's argmax, and the exact rule reduces to "accept the drafts while they
-            # equal it, then emit it" (verify() gives the same); greedy_verify skips the lm_head at positions
-            # after the first rejection
+            # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
+            # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
             decided = policy.greedy_verify(target, h, n_pending, drafts)
         else:
             b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
