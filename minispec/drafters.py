@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .errors import check_compatible
 from .sampling import SamplingParams, logits_to_probs, sample_rows
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
@@ -196,24 +197,6 @@ class PromptLookupDrafter(Drafter):
         tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
         self.steps = 0
         return tokens, [one_hot(t, self.vocab_size) for t in tokens]
-
-
-def check_compatible(target, draft) -> None:
-    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
-                         "token ids, so draft and target must share one tokenizer and vocabulary")
-    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
-    if (tt is None) != (dt is None):
-        which = "target" if dt is None else "draft"
-        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
-                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
-    if tt is not None and tt is not dt:
-        ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
-        if ft != fd:
-            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
-                             "speculative decoding needs one shared tokenizer")
 
 
 def make_drafter(target, draft, draw: Draw = draw_exact) -> Drafter:

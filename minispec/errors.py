@@ -96,3 +96,21 @@ def check_max_new_tokens(n) -> None:
     """max_new_tokens must be an integer >= 0 (0 returns no tokens)."""
     if not is_int(n) or n < 0:
         raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+
+
+def check_compatible(target, draft) -> None:
+    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
+                         "token ids, so draft and target must share one tokenizer and vocabulary")
+    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if (tt is None) != (dt is None):
+        which = "target" if dt is None else "draft"
+        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
+                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
+    if tt is not None and tt is not dt:
+        ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
+        if ft != fd:
+            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
+                             "speculative decoding needs one shared tokenizer")
