@@ -166,13 +166,14 @@ class PagedKVCache:
         del table[keep:]
         self.lengths[seq] = new_len
 
+    def _must_copy(self, seq: int, n_new: int) -> bool:
+        """Whether appending n_new tokens to `seq` must first copy its last block (partial, and shared)."""
+        table = self.tables[seq]
+        return n_new > 0 and self.lengths[seq] % self.block_size > 0 and self.allocator.refcount[table[-1]] > 1
+
     def _blocks_needed(self, seq: int, n_new: int) -> int:
         """Fresh blocks `seq` needs to append n_new tokens, counting a copy-on-write copy."""
-        length, table = self.lengths[seq], self.tables[seq]
-        need = self.blocks_for(length + n_new) - len(table)
-        if n_new > 0 and length % self.block_size and self.allocator.refcount[table[-1]] > 1:
-            need += 1  # the shared partial last block gets a private copy
-        return need
+        return self.blocks_for(self.lengths[seq] + n_new) - len(self.tables[seq]) + self._must_copy(seq, n_new)
 
     def reserve(self, seqs: list[int], n_new: list[int]) -> list[list[int]]:
         """Make room to append n_new[i] tokens to seqs[i]; return each one's new slots.
@@ -196,15 +197,15 @@ class PagedKVCache:
         bs = self.block_size
         for s, n in zip(seqs, n_new):
             table, length = self.tables[s], self.lengths[s]
-            if n > 0 and length % bs and self.allocator.refcount[table[-1]] > 1:
+            if self._must_copy(s, n):
                 old, new = table[-1], self.allocator.allocate()
                 self.kv[:, new * bs:(new + 1) * bs] = self.kv[:, old * bs:(old + 1) * bs]
                 self.allocator.free(old)
                 table[-1] = new
             while len(table) < self.blocks_for(length + n):
                 table.append(self.allocator.allocate())
-            out.append([table[t // bs] * bs + t % bs for t in range(length, length + n)])
             self.lengths[s] = length + n
+            out.append(self.slots(s, start=length))
         return out
 
     def _grow(self, short: int) -> None:
@@ -225,10 +226,10 @@ class PagedKVCache:
         self.kv = kv
         self.allocator.grow(n - self.num_blocks)
 
-    def slots(self, seq: int) -> list[int]:
-        """Pool slots of every token `seq` holds, in order."""
+    def slots(self, seq: int, start: int = 0) -> list[int]:
+        """Pool slots of the tokens `seq` holds from position `start` on, in order."""
         bs, table = self.block_size, self.tables[seq]
-        return [table[t // bs] * bs + t % bs for t in range(self.lengths[seq])]
+        return [table[t // bs] * bs + t % bs for t in range(start, self.lengths[seq])]
 
     def prepare(self, seqs: list[int], n_new: list[int]) -> AttentionMetadata:
         """Reserve room for the new tokens and build the metadata for one forward pass."""

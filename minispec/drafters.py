@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .errors import check_compatible
+from .errors import check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
@@ -175,10 +175,8 @@ class PromptLookupDrafter(Drafter):
     """
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):
-        if not (isinstance(ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= ngram):
-            raise ValueError(f"PromptLookupDrafter needs integers 1 <= min_ngram <= ngram, got ngram={ngram!r}, "
-                             f"min_ngram={min_ngram!r}")
-        self.ngram, self.min_ngram = ngram, min_ngram
+        self.ngram = check_int("ngram", ngram, 1)
+        self.min_ngram = check_int("min_ngram", min_ngram, 1, ngram)
 
     def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
         self.vocab_size = vocab_size

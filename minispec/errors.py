@@ -11,6 +11,10 @@ minispec. The checks below are shared by several modules; each area's own checks
 
 from __future__ import annotations
 
+import torch
+
+MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
+
 
 class InputError(ValueError):
     """A file, field, tensor, setting or argument that minispec refuses; the message says which and what to do."""
@@ -114,3 +118,40 @@ def check_compatible(target, draft) -> None:
         if ft != fd:
             raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
                              "speculative decoding needs one shared tokenizer")
+
+
+class SamplingError(InputError):
+    """A sampling setting is invalid, or leaves a row of logits nothing that can be sampled."""
+
+
+def check_seed(seed) -> None:
+    """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
+
+
+def unsampleable(logits: torch.Tensor) -> str | None:
+    """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
+
+    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One device sync.
+    """
+    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any()
+    no_token = torch.isneginf(logits).all(-1).any()
+    flags = torch.stack((nonfinite, no_token)).tolist()
+    return "NaN or +inf" if flags[0] else "-inf for every token" if flags[1] else None
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Refuse model logits that no setting can sample from (see unsampleable), greedy included."""
+    what = unsampleable(logits)
+    if what is not None:
+        raise SamplingError(f"the model's logits are {what} in some row: nothing can be sampled; the checkpoint's "
+                            "weights or config (norm_eps, rope_theta, rope_scaling) are likely corrupt")
+
+
+def check_token_ids(tokens, vocab_size: int) -> None:
+    """Refuse a tensor (or nested list) of token ids with one outside [0, vocab_size)."""
+    t = torch.as_tensor(tokens)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        bad = int(t.max()) if int(t.max()) >= vocab_size else int(t.min())
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .cache import MAX_BLOCK_SIZE
-from .errors import check_int, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
-from .sampling import SamplingParams, check_logits, logits_to_probs, make_generators, sample
+from .errors import check_int, check_logits, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .sampling import SamplingParams, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
 

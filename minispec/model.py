@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import ModelConfig
+from .errors import check_token_ids
 from .generate import generate
 from .speculative import speculate
 from .threads import tuned
@@ -279,16 +280,10 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        self.check_ids(tokens)
+        check_token_ids(tokens, self.config.vocab_size)
         tokens = tokens.to(self.device)
         positions = torch.arange(T, device=self.device).expand(tokens.shape[0], T)
         return self.logits(self._trunk(tokens, positions)).float()
-
-    def check_ids(self, tokens) -> None:
-        t = torch.as_tensor(tokens)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
-            bad = int(t.max()) if int(t.max()) >= self.config.vocab_size else int(t.min())
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
 
     def new_cache(self, num_blocks: int | None = None, block_size: int = 16, memory_bytes: int | None = None,
                   dtype: torch.dtype | None = None, max_blocks: int | None = None) -> PagedKVCache:
@@ -317,7 +312,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence {s} would reach {cache.length(s) + n} tokens, past max_seq_len={self.config.max_seq_len}")
         T = max(n_new)
         padded = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)  # (B, T)
-        self.check_ids(padded)
+        check_token_ids(padded, self.config.vocab_size)
         meta = cache.prepare(seqs, n_new)
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(

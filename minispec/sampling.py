@@ -13,13 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError, is_int, is_number
-
-MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
-
-
-class SamplingError(InputError):
-    """A sampling setting is invalid, or leaves a row of logits nothing that can be sampled."""
+from .errors import SamplingError, check_logits, check_seed, is_int, is_number, unsampleable
 
 
 @dataclass(frozen=True)
@@ -44,31 +38,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def check_seed(seed) -> None:
-    """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
-    if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
-
-
-def _unsampleable(logits: torch.Tensor) -> str | None:
-    """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
-
-    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One device sync.
-    """
-    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any()
-    no_token = torch.isneginf(logits).all(-1).any()
-    flags = torch.stack((nonfinite, no_token)).tolist()
-    return "NaN or +inf" if flags[0] else "-inf for every token" if flags[1] else None
-
-
-def check_logits(logits: torch.Tensor) -> None:
-    """Refuse model logits that no setting can sample from (see _unsampleable), greedy included."""
-    what = _unsampleable(logits)
-    if what is not None:
-        raise SamplingError(f"the model's logits are {what} in some row: nothing can be sampled; the checkpoint's "
-                            "weights or config (norm_eps, rope_theta, rope_scaling) are likely corrupt")
-
-
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits (..., V) -> probabilities (..., V) of the distribution that `sample` draws from.
 
@@ -81,7 +50,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
-    if _unsampleable(logits) is not None:  # finite / tiny overflows to +-inf (and inf - inf is NaN in softmax)
+    if unsampleable(logits) is not None:  # finite / tiny overflows to +-inf (and inf - inf is NaN in softmax)
         raise SamplingError(f"temperature={params.temperature!r} is too small: the scaled logits overflow float32; "
                             "use temperature=0 for greedy decoding or a larger temperature")
     if params.top_k is not None and params.top_k < logits.shape[-1]:
