@@ -23,9 +23,9 @@ def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = No
     """The draft length with the most tokens per unit of time.
 
     a: per-token acceptance probability; c: one draft step's cost relative to one plain decode step;
-    verify[k]: the cost of the target pass that checks k drafts, in the same unit (default 1 for every
-    k; on a CPU it grows with k). A round of k drafts costs k*c + verify[k] and yields
-    expected_tokens(a, k); k = 0 is plain decoding. Ties go to the smaller k.
+    verify[k]: the cost of the target pass that checks k drafts, in the same unit (default 1; on a CPU it
+    grows with k). A round of k drafts costs k*c + verify[k] and yields expected_tokens(a, k); k = 0 is
+    plain decoding. Ties go to the smaller k.
     """
     v = [1.0] * (k_max + 1) if verify is None else verify
     return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (v[k] + k * c), -k))
@@ -34,11 +34,9 @@ def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = No
 class AdaptiveK:
     """k="auto": picks each round's k from running estimates of acceptance and of the step costs.
 
-    Acceptance is the maximum-likelihood estimate under the cost model: each accepted draft is a
-    success, each rejection a failure, older rounds decayed so the estimate follows the text. Costs
-    are decayed averages of the measured draft-step time and, per k, of the verify time; a k not yet
-    measured costs what its measured neighbours do (see verify_cost), so it gets tried. While plain
-    decoding is chosen, one round in `probe_every` drafts a single token to keep the estimates fresh.
+    Acceptance: decayed successes (accepted drafts) and failures (rejections); costs: decayed averages of
+    the measured draft-step time and, per k, of the verify time (see verify_cost). While plain decoding
+    is chosen, one round in `probe_every` drafts a single token to keep the estimates fresh.
 
     Exactness does not depend on any of this: a round's k is fixed before its drafts are drawn. Measured
     times make the k's chosen depend on the machine; pass `cost_ratio` (draft step / plain decode step,
@@ -119,10 +117,9 @@ _AUTO_K: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def auto_k(target, draft, params: SamplingParams, batch_size: int, sampler: str = "exact") -> AdaptiveK:
     """The AdaptiveK that k="auto" uses for this target, draft, sampling settings and batch size.
 
-    Acceptance depends on the pair and the sampling settings, the step costs on the pair, the batch
-    size and the machine; none on the prompt or the seed. So one estimator serves every call with the
-    same four. A negative control (`sampler`, by name) keeps estimates of its own. Pass k=AdaptiveK()
-    to speculate for an estimator of your own.
+    Acceptance depends on the pair and the sampling settings, the step costs on the pair, the batch size
+    and the machine; none on the prompt or the seed. A negative control (`sampler`) keeps estimates of its
+    own. Pass k=AdaptiveK() to speculate for an estimator of your own.
     """
     if isinstance(draft, str):
         ref, draft_key = (lambda d=draft: d), draft

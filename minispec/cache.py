@@ -1,12 +1,10 @@
 """Paged KV cache: a block pool, per-sequence block tables, rollback and fork.
 
-After vLLM's PagedAttention and nano-vllm's block manager. `BlockAllocator` is plain Python (a
-free list and reference counts); `PagedKVCache` owns the tensors: one pool per layer holding K
-and V side by side (one write and one gather per layer and step), and each sequence's block
-table and length. The pool is fixed (`num_blocks`, or what `memory_bytes` holds) or, given
-neither, grows on demand by doubling (up to `max_blocks`), so memory follows the tokens held.
-Slot layout, copy-on-write, rollback and the invariants kept: docs/design.md ("The paged KV
-cache and its invariants").
+After vLLM's PagedAttention and nano-vllm's block manager. `BlockAllocator` is plain Python (a free
+list and reference counts); `PagedKVCache` owns the tensors: one pool per layer holding K and V side
+by side (one write and one gather per layer and step), and each sequence's block table and length.
+The pool is fixed (`num_blocks`, or what `memory_bytes` holds) or, given neither, grows on demand by
+doubling (up to `max_blocks`). Slot layout, copy-on-write, rollback, invariants: docs/design.md.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ class BlockAllocator:
 class AttentionMetadata:
     """Where a forward pass reads and writes K/V. Built once per forward, passed to every layer.
 
-    B sequences, each with n_b new tokens, right-padded to T = max n_b.
-    """
+    B sequences, each with n_b new tokens, right-padded to T = max n_b."""
 
     positions: torch.Tensor  # (B, T) absolute position of each new token (padding: 0)
     write_slots: torch.Tensor  # (N,) pool slot of each valid new token, in (b, t) row-major order
@@ -211,8 +208,7 @@ class PagedKVCache:
     def _grow(self, short: int) -> None:
         """A growing pool `short` blocks short: reallocate it to at least twice its size (capped at max_blocks).
 
-        Doubling keeps the copying linear in the final size. Nothing changes when even the cap is too small.
-        """
+        Doubling keeps the copying linear in the final size. Nothing changes when even the cap is too small."""
         if not self.growable:
             return
         n = max(self.num_blocks + short, 2 * self.num_blocks)
@@ -235,10 +231,8 @@ class PagedKVCache:
         """Reserve room for the new tokens and build the metadata for one forward pass."""
         starts = [self.lengths[s] for s in seqs]
         new_slots = self.reserve(seqs, n_new)
-        B, T = len(seqs), max(n_new)
-        ctx = [st + n for st, n in zip(starts, n_new)]
-        L = max(ctx)
-        dev = self.device
+        ctx = [st + n for st, n in zip(starts, n_new)]  # each sequence's context length after the step
+        B, T, L, dev = len(seqs), max(n_new), max(ctx), self.device
         positions = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         read = torch.zeros(B, L, dtype=torch.long)

@@ -169,9 +169,8 @@ class ModelDrafter(Drafter):
 class PromptLookupDrafter(Drafter):
     """Model-free drafting: find the sequence's last n tokens earlier in its own context, propose what followed.
 
-    Tries n = ngram down to min_ngram, most recent match first. The proposal is a deterministic
-    function of the context, so q is one-hot on it and the exact rule applies at any temperature
-    (accept d with probability p(d); on rejection sample p with d removed). No match: no draft.
+    Tries n = ngram down to min_ngram, most recent match first. The proposal is a function of the context,
+    so q is one-hot on it and the exact rule applies at any temperature. No match: no draft.
     """
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):

@@ -11,6 +11,8 @@ minispec. The checks below are shared by several modules; each area's own checks
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
@@ -130,6 +132,17 @@ def check_seed(seed) -> None:
         raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
 
 
+def check_sampling(temperature, top_k, top_p, seed) -> None:
+    """The settings of a SamplingParams: each refused with a SamplingError that names it."""
+    if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {temperature!r}")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise SamplingError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
+        raise SamplingError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_seed(seed)
+
+
 def unsampleable(logits: torch.Tensor) -> str | None:
     """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
 
@@ -155,3 +168,11 @@ def check_token_ids(tokens, vocab_size: int) -> None:
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
         bad = int(t.max()) if int(t.max()) >= vocab_size else int(t.min())
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_proposal(drafter, rows: list[int], ks: list[int], drafts: list[list[int]]) -> None:
+    """A drafter must not propose more tokens for a row than it was asked for (a bug in a custom Drafter)."""
+    for k, d, row in zip(ks, drafts, rows):
+        if len(d) > max(k, 0):
+            raise RuntimeError(f"{type(drafter).__name__} proposed {len(d)} tokens for sequence {row}, "
+                               f"more than the {k} asked for")

@@ -1,8 +1,7 @@
 """Autoregressive generation over the paged KV cache: prefill, then one token per step.
 
-`generate` takes one prompt (a list of ids) or a ragged batch (a list of
-lists). All sequences are prefilled together in one forward pass, then decode
-together; a sequence that stops leaves the batch and frees its blocks.
+`generate` takes one prompt (a list of ids) or a ragged batch (a list of lists). All sequences are prefilled
+together in one forward pass, then decode together; a sequence that stops leaves the batch and frees its blocks.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     prompts: list[int] (one prompt) or list[list[int]] (a ragged batch).
     temperature 0 is greedy; top_k / top_p filter as in Hugging Face.
     seed: sequence i of a batch samples from a generator seeded with seed + i.
-    stop_tokens: ids that end a sequence (kept in the output); None = the eos id(s).
+    stop_tokens: ids that end a sequence (kept in the output); None = the eos id(s). max_seq_len also ends it.
     on_tokens(i, tokens): called as tokens are committed, for streaming.
-    A sequence also stops at the model's max_seq_len.
     Returns the new tokens only: list[int], or list[list[int]] for a batch.
     """
     params = SamplingParams(temperature, top_k, top_p, seed)
@@ -35,8 +33,6 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     batch, single = normalize_prompts(model, prompts)
     stops = resolve_stop_tokens(model, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
-    if max_new_tokens == 0:
-        return out[0] if single else out
     max_len = model.config.max_seq_len
     budget = [min(max_new_tokens, max_len - len(p)) for p in batch]  # prompt + output <= max_seq_len
     active = [i for i in range(len(batch)) if budget[i] > 0]

@@ -254,9 +254,8 @@ class Transformer(nn.Module):
     def _trunk(self, tokens, positions, kv: torch.Tensor | None = None, meta: AttentionMetadata | None = None):
         """Tokens (B, T) at `positions` -> final hidden states (B, T, dim).
 
-        kv: the cache's pool (n_layers, num_slots, 2*Hkv, D) and meta: where to write and read in it;
-        both None for a full causal forward.
-        """
+        kv: the cache's pool (n_layers, num_slots, 2*Hkv, D), meta: where to write and read in it (both None:
+        a full causal forward)."""
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])  # (B, L): L > every position
         for i, layer in enumerate(self.layers):

@@ -8,12 +8,11 @@ one-hot distribution on the argmax, which makes the greedy acceptance rule a spe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .errors import SamplingError, check_logits, check_seed, is_int, is_number, unsampleable
+from .errors import SamplingError, check_logits, check_sampling, check_seed, unsampleable
 
 
 @dataclass(frozen=True)
@@ -24,14 +23,7 @@ class SamplingParams:
     seed: int | None = None  # seeds the sampling generator; the same seed gives the same tokens
 
     def __post_init__(self):
-        t = self.temperature
-        if not is_number(t) or not math.isfinite(t) or t < 0:
-            raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {t!r}")
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise SamplingError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and (not is_number(self.top_p) or not 0 < self.top_p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        check_seed(self.seed)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,9 @@
 """Exact speculative decoding over the paged KV cache: the maths and the batched loop.
 
-After Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
-Chen et al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"). The
-maths is pure functions (`acceptance`, `residual`, `verify`, `greedy_verify`); `speculate` is
-the loop around them. One round's six steps, and why the output has the target's law, are in
-docs/design.md ("One speculative round").
+After Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et
+al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"). The maths is pure
+functions (`acceptance`, `residual`, `verify`, `greedy_verify`), `speculate` the loop around them.
+One round's six steps, and why the output has the target's law: docs/design.md.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import AdaptiveK, auto_k, best_k, expected_tokens  # noqa: F401 (best_k, expected_tokens: re-exported)
-from .drafters import (CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, check_compatible,  # noqa: F401
-                       draw_exact, make_drafter)
-from .errors import check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .drafters import CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, draw_exact, make_drafter  # noqa: F401
+from .errors import check_max_new_tokens, check_proposal, normalize_prompts, resolve_stop_tokens
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 
@@ -104,10 +102,8 @@ def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[li
 class ExactSampler:
     """The exact algorithm as three steps, so a negative control can replace exactly one of them.
 
-    draw: how a model draft turns its logits into tokens and the q it reports (drafters.draw_exact);
-    verify: the acceptance step of one sequence at temperature > 0;
-    greedy_verify: the acceptance step of a batch at temperature 0, from the target's hidden states.
-    speculate looks a sampler up by name in SAMPLERS; minispec.controls adds the broken ones.
+    draw (a model draft's logits -> tokens and the q it reports), verify (one row at temperature > 0),
+    greedy_verify (a batch at temperature 0). minispec.controls registers the broken ones in SAMPLERS.
     """
 
     name = "exact"
@@ -116,8 +112,7 @@ class ExactSampler:
     greedy_verify = staticmethod(greedy_verify)
 
 
-# sampler name -> sampler. "exact" is the algorithm; minispec.controls registers the deliberately broken
-# ones (negative controls that the statistical tests and the equivalence harness must reject).
+# sampler name -> sampler; minispec.controls adds the negative controls that the exactness tests must reject
 SAMPLERS: dict[str, ExactSampler] = {"exact": ExactSampler()}
 
 
@@ -220,10 +215,9 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     stats = SpeculativeStats()
     drafter = make_drafter(target, draft, policy.draw)
     batch, single = normalize_prompts(target, prompts)
+    adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
     if k == "auto":
         adaptive = auto_k(target, draft, params, len(batch), policy.name)
-    else:
-        adaptive = k if isinstance(k, AdaptiveK) else None
     stops = resolve_stop_tokens(target, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
     max_len = target.config.max_seq_len
@@ -232,9 +226,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     if not active:
         return SpeculativeResult(out[0] if single else out, stats)
     live_prompts = {i: batch[i] for i in active}
-    live_budgets = {i: budgets[i] for i in active}
     tgt = CachedRows(target, live_prompts, block_size)
-    drafter.start(live_prompts, live_budgets, params, block_size, target.config.vocab_size)
+    drafter.start(live_prompts, {i: budgets[i] for i in active}, params, block_size, target.config.vocab_size)
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
@@ -244,10 +237,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         t0 = time.perf_counter()
         drafts, qs = drafter.propose(active, ks, contexts, gens)
         t1 = time.perf_counter()
-        for b, i in enumerate(active):
-            if len(drafts[b]) > max(ks[b], 0):
-                raise RuntimeError(f"{type(drafter).__name__} proposed {len(drafts[b])} tokens for sequence {i}, "
-                                   f"more than the {ks[b]} asked for")
+        check_proposal(drafter, active, ks, drafts)
         n_pending = [len(tgt.pending[i]) for i in active]
         # ONE target pass verifies the whole batch: hidden states (B, T, dim); p_1..p_{k+1} of row b come
         # from those at its last pending token and at each of its drafts
