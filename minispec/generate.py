@@ -33,8 +33,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     batch, single = normalize_prompts(model, prompts)
     stops = resolve_stop_tokens(model, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
-    max_len = model.config.max_seq_len
-    budget = [min(max_new_tokens, max_len - len(p)) for p in batch]  # prompt + output <= max_seq_len
+    budget = [min(max_new_tokens, model.config.max_seq_len - len(p)) for p in batch]  # prompt + output <= max_seq_len
     active = [i for i in range(len(batch)) if budget[i] > 0]
     if not active:
         return out[0] if single else out

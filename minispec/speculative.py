@@ -50,7 +50,8 @@ def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: 
 
     draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn from; p: (k+1, V) the
     target's at the same positions plus the bonus position; uniforms: (k+1,) in [0, 1): uniforms[i]
-    decides d_{i+1}, uniforms[k] draws the next token. Returns (n_accepted, next_token): the round commits d_1..d_n then next_token.
+    decides d_{i+1}, uniforms[k] draws the next token. Returns (n_accepted, next_token): the round
+    commits d_1..d_n then next_token.
     """
     k = len(draft_tokens)
     if q.shape[0] != k or p.shape[0] != k + 1 or uniforms.shape[0] != k + 1:
