@@ -1,4 +1,4 @@
-"""The errors minispec raises for input it refuses, and the argument checks the core shares.
+"""The errors minispec raises for input it refuses, and the core's input checks.
 
 minispec reads files that come from strangers (checkpoints, GGUF files, tokenizers, chat
 templates) and settings that come from users. Everything it refuses raises an `InputError`:
@@ -6,7 +6,8 @@ a ValueError whose one-line message names the file, field, tensor, setting or ar
 says what to do. Each area has its own subclass (ConfigError, CheckpointError,
 TokenizerError, SamplingError, GenerationError, the converters' ConversionError), so a caller
 can catch one area or all of them; an exception of any other type escaping a loader is a bug in
-minispec. The checks below are shared by several modules; each area's own checks live with it.
+minispec. The checks of the core's arguments (prompts, stop tokens, sampling settings, logits, a
+draft/target pair) live here, so the core reads as the algorithm; other areas keep theirs.
 """
 
 from __future__ import annotations
