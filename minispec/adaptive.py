@@ -1,18 +1,15 @@
 """Adaptive draft length: k="auto" picks each round's k from what it has measured.
 
-The cost model (docs/design.md): if each draft token is
-accepted independently with probability a, a round of k drafts commits
-`expected_tokens(a, k)` = 1 + a + ... + a^k tokens and costs k draft steps plus
-one verify pass over k + 1 tokens. `best_k` maximises tokens per unit of time;
-`AdaptiveK` feeds it running estimates of a and of the costs, and `auto_k`
-keeps one estimator per (target, draft, sampling settings, batch size) so a
-stream of requests pays for finding the right k once.
+The cost model is in docs/design.md ("Choosing k"). `best_k` maximises tokens per unit of time,
+`AdaptiveK` feeds it running estimates of acceptance and costs, and `auto_k` keeps one estimator
+per (target, draft, sampling settings, batch size) so a stream of requests finds the right k once.
 """
 
 from __future__ import annotations
 
 import weakref
 
+from .errors import check_int
 from .sampling import SamplingParams
 
 
@@ -25,14 +22,10 @@ def expected_tokens(a: float, k: int) -> float:
 def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = None) -> int:
     """The draft length with the most tokens per unit of time.
 
-    a: per-token acceptance probability; c: one draft step's cost relative to
-    one plain decode step (a target pass over one token). verify[k]: the cost of
-    the target pass that checks k drafts (k + 1 tokens), in the same unit;
-    default 1 for every k. On a GPU that pass costs about one step whatever k;
-    on a CPU it grows with k (a small matrix-matrix product is slower than a
-    matrix-vector one), which favours shorter drafts. A round of k drafts costs
-    k*c + verify[k] and yields expected_tokens(a, k); k = 0 is plain decoding,
-    chosen when speculation would not pay. Ties go to the smaller k.
+    a: per-token acceptance probability; c: one draft step's cost relative to one plain decode step;
+    verify[k]: the cost of the target pass that checks k drafts, in the same unit (default 1; on a CPU it
+    grows with k). A round of k drafts costs k*c + verify[k] and yields expected_tokens(a, k); k = 0 is
+    plain decoding. Ties go to the smaller k.
     """
     v = [1.0] * (k_max + 1) if verify is None else verify
     return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (v[k] + k * c), -k))
@@ -41,30 +34,18 @@ def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = No
 class AdaptiveK:
     """k="auto": picks each round's k from running estimates of acceptance and of the step costs.
 
-    Acceptance is the maximum-likelihood estimate under the model above: each
-    accepted draft is a success, each rejection a failure (a round that accepts
-    all k has no failure), with older rounds decayed so the estimate follows the
-    text. Costs are decayed averages of the measured draft-step time and of the
-    verify time of rounds that drafted k tokens, kept per k (the verify pass
-    costs more for larger k on a CPU); a k not yet measured is taken to cost
-    what its measured neighbours do (interpolated; below them, the smallest's
-    cost; above them, the slope of the two largest continued, never downhill,
-    or flat while only one k is measured), so it gets tried and measured.
-    While plain decoding is chosen, one round in `probe_every` drafts a single
-    token so the estimates stay fresh.
+    Acceptance: decayed successes (accepted drafts) and failures (rejections); costs: decayed averages of
+    the measured draft-step time and, per k, of the verify time (see verify_cost). While plain decoding
+    is chosen, one round in `probe_every` drafts a single token to keep the estimates fresh.
 
-    Exactness does not depend on any of this: a round's k is fixed before its
-    drafts are drawn and depends only on earlier rounds. Measured times make the
-    choice of k depend on the machine, so a seeded run is reproducible only up
-    to the k's chosen. Pass `cost_ratio` (draft step / plain decode step, with
-    verify costs taken as equal for every k) to fix the costs and make it
-    deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
+    Exactness does not depend on any of this: a round's k is fixed before its drafts are drawn. Measured
+    times make the k's chosen depend on the machine; pass `cost_ratio` (draft step / plain decode step,
+    verify costs equal for every k) to make it deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
     """
 
     def __init__(self, k_max: int = 8, decay: float = 0.9, probe_every: int = 8, k_start: int = 2,
                  cost_ratio: float | None = None):
-        if not (isinstance(k_max, int) and k_max >= 1):
-            raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+        check_int("k_max", k_max, 1)
         if cost_ratio is not None and not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
@@ -87,14 +68,14 @@ class AdaptiveK:
         hi = min((j for j in self.verify_s if j > k), default=None)
         if hi is None:  # beyond the largest measured k: continue the last measured slope, never downhill
             top = sorted(self.verify_s)[-2:]
-            if len(top) < 2:
+            if len(top) < 2:  # one k measured: flat
                 return self.verify_s[lo]
             j0, j1 = top
             slope = max(0.0, (self.verify_s[j1] - self.verify_s[j0]) / (j1 - j0))
             return self.verify_s[j1] + slope * (k - j1)
         if lo is None:  # below the smallest: its cost (a shorter pass costs no more)
             return self.verify_s[hi]
-        w = (k - lo) / (hi - lo)
+        w = (k - lo) / (hi - lo)  # between two measured k's: interpolated
         return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
 
     def choose(self) -> int:
@@ -136,13 +117,9 @@ _AUTO_K: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def auto_k(target, draft, params: SamplingParams, batch_size: int, sampler: str = "exact") -> AdaptiveK:
     """The AdaptiveK that k="auto" uses for this target, draft, sampling settings and batch size.
 
-    Acceptance depends on the pair and the sampling settings, the step costs on the
-    pair, the batch size and the machine; none of them on the prompt. So one
-    estimator serves every call with the same four, and a stream of requests pays
-    for finding the right k once instead of at the start of every call. (The seed
-    is not part of the key: it does not change the estimates.) Pass k=AdaptiveK()
-    to speculate for an estimator of your own, e.g. a fresh one. A negative control
-    (`sampler`, by name) keeps estimates of its own, apart from the exact sampler's.
+    Acceptance depends on the pair and the sampling settings, the step costs on the pair, the batch size
+    and the machine; none on the prompt or the seed. A negative control (`sampler`) keeps estimates of its
+    own. Pass k=AdaptiveK() to speculate for an estimator of your own.
     """
     if isinstance(draft, str):
         ref, draft_key = (lambda d=draft: d), draft

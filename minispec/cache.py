@@ -1,26 +1,10 @@
 """Paged KV cache: a block pool, per-sequence block tables, rollback and fork.
 
-Two layers, after vLLM's PagedAttention and nano-vllm's block manager:
-
-- `BlockAllocator` is plain Python (no torch): a free list and reference
-  counts. Blocks are shared between sequences by `fork` (refcount + 1) and go
-  back to the pool when their last owner lets go.
-- `PagedKVCache` owns the tensors: one pool per layer holding K and V side by
-  side, (num_blocks * block_size, 2 * n_kv_heads, head_dim) (one write and one
-  gather per layer and step), plus each sequence's block table and length. Token t of a sequence lives at slot
-  `table[t // block_size] * block_size + t % block_size`.
-
-Writing is copy-on-write: before a sequence writes into a block that another
-sequence also holds (a forked partial block), it gets a private copy.
-Rollback after a rejected draft is `truncate(seq, new_len)`; attention masks
-by length, so stale entries past the length are never read.
-
-The pool is either fixed (`num_blocks`, or as many blocks as `memory_bytes` holds)
-or, given neither, grows on demand: it starts empty and, when a reserve needs
-more blocks than are free, is reallocated to at least twice its size (up to
-`max_blocks` when given). Memory then follows the tokens actually held, not a
-worst case reserved up front. Running out of blocks (a fixed pool full, or a
-growing one at max_blocks) raises `CacheExhausted` before anything changes.
+After vLLM's PagedAttention and nano-vllm's block manager. `BlockAllocator` is plain Python (a free
+list and reference counts); `PagedKVCache` owns the tensors: one pool per layer holding K and V side
+by side (one write and one gather per layer and step), and each sequence's block table and length.
+The pool is fixed (`num_blocks`, or what `memory_bytes` holds) or, given neither, grows on demand by
+doubling (up to `max_blocks`). Slot layout, copy-on-write, rollback, invariants: docs/design.md.
 """
 
 from __future__ import annotations
@@ -30,20 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import check_int
 
 MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
 
 
 class CacheExhausted(RuntimeError):
     """The block pool cannot hold what was asked; nothing was changed."""
-
-
-def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
-    return v
 
 
 class BlockAllocator:
@@ -94,8 +71,7 @@ class BlockAllocator:
 class AttentionMetadata:
     """Where a forward pass reads and writes K/V. Built once per forward, passed to every layer.
 
-    B sequences, each with n_b new tokens, right-padded to T = max n_b.
-    """
+    B sequences, each with n_b new tokens, right-padded to T = max n_b."""
 
     positions: torch.Tensor  # (B, T) absolute position of each new token (padding: 0)
     write_slots: torch.Tensor  # (N,) pool slot of each valid new token, in (b, t) row-major order
@@ -155,8 +131,6 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    # ---- sequence bookkeeping (no tensors touched except by copy-on-write) ----
-
     def new_sequence(self) -> int:
         sid = next(self._ids)
         self.tables[sid] = []
@@ -189,13 +163,14 @@ class PagedKVCache:
         del table[keep:]
         self.lengths[seq] = new_len
 
+    def _must_copy(self, seq: int, n_new: int) -> bool:
+        """Whether appending n_new tokens to `seq` must first copy its last block (partial, and shared)."""
+        table = self.tables[seq]
+        return n_new > 0 and self.lengths[seq] % self.block_size > 0 and self.allocator.refcount[table[-1]] > 1
+
     def _blocks_needed(self, seq: int, n_new: int) -> int:
         """Fresh blocks `seq` needs to append n_new tokens, counting a copy-on-write copy."""
-        length, table = self.lengths[seq], self.tables[seq]
-        need = self.blocks_for(length + n_new) - len(table)
-        if n_new > 0 and length % self.block_size and self.allocator.refcount[table[-1]] > 1:
-            need += 1  # the shared partial last block gets a private copy
-        return need
+        return self.blocks_for(self.lengths[seq] + n_new) - len(self.tables[seq]) + self._must_copy(seq, n_new)
 
     def reserve(self, seqs: list[int], n_new: list[int]) -> list[list[int]]:
         """Make room to append n_new[i] tokens to seqs[i]; return each one's new slots.
@@ -219,22 +194,21 @@ class PagedKVCache:
         bs = self.block_size
         for s, n in zip(seqs, n_new):
             table, length = self.tables[s], self.lengths[s]
-            if n > 0 and length % bs and self.allocator.refcount[table[-1]] > 1:
+            if self._must_copy(s, n):
                 old, new = table[-1], self.allocator.allocate()
                 self.kv[:, new * bs:(new + 1) * bs] = self.kv[:, old * bs:(old + 1) * bs]
                 self.allocator.free(old)
                 table[-1] = new
             while len(table) < self.blocks_for(length + n):
                 table.append(self.allocator.allocate())
-            out.append([table[t // bs] * bs + t % bs for t in range(length, length + n)])
             self.lengths[s] = length + n
+            out.append(self.slots(s, start=length))
         return out
 
     def _grow(self, short: int) -> None:
         """A growing pool `short` blocks short: reallocate it to at least twice its size (capped at max_blocks).
 
-        Doubling keeps the copying linear in the final size. Nothing changes when even the cap is too small.
-        """
+        Doubling keeps the copying linear in the final size. Nothing changes when even the cap is too small."""
         if not self.growable:
             return
         n = max(self.num_blocks + short, 2 * self.num_blocks)
@@ -248,21 +222,17 @@ class PagedKVCache:
         self.kv = kv
         self.allocator.grow(n - self.num_blocks)
 
-    def slots(self, seq: int) -> list[int]:
-        """Pool slots of every token `seq` holds, in order."""
+    def slots(self, seq: int, start: int = 0) -> list[int]:
+        """Pool slots of the tokens `seq` holds from position `start` on, in order."""
         bs, table = self.block_size, self.tables[seq]
-        return [table[t // bs] * bs + t % bs for t in range(self.lengths[seq])]
-
-    # ---- attention metadata ----
+        return [table[t // bs] * bs + t % bs for t in range(start, self.lengths[seq])]
 
     def prepare(self, seqs: list[int], n_new: list[int]) -> AttentionMetadata:
         """Reserve room for the new tokens and build the metadata for one forward pass."""
         starts = [self.lengths[s] for s in seqs]
         new_slots = self.reserve(seqs, n_new)
-        B, T = len(seqs), max(n_new)
-        ctx = [st + n for st, n in zip(starts, n_new)]
-        L = max(ctx)
-        dev = self.device
+        ctx = [st + n for st, n in zip(starts, n_new)]  # each sequence's context length after the step
+        B, T, L, dev = len(seqs), max(n_new), max(ctx), self.device
         positions = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         read = torch.zeros(B, L, dtype=torch.long)

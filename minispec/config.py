@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-from .errors import InputError, show
+from .errors import InputError, is_int, is_number, show
 
 FORMAT_VERSION = 1
 # the largest count or size a config may give (vocab_size, dim, n_layers, max_seq_len, ...): a product of two
@@ -35,11 +35,6 @@ class ConfigError(InputError):
     """A ModelConfig field (or the config.json it came from) is missing, mistyped or out of range."""
 
 
-def is_int(v) -> bool:
-    """A true integer: not a bool (True is 1 in Python), not a float, not a string."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_count(name: str, v, lo: int = 1, hi: int = MAX_COUNT) -> int:
     """`v` if it is an integer in [lo, hi]; else ConfigError naming `name`."""
     if not is_int(v) or not lo <= v <= hi:
@@ -51,7 +46,7 @@ def check_count(name: str, v, lo: int = 1, hi: int = MAX_COUNT) -> int:
 def check_float(name: str, v, lo: float = 0.0, lo_open: bool = True, hi: float = math.inf) -> float:
     """`v` as a float if it is a finite number above lo (or at it, when not lo_open) and at most hi."""
     try:
-        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+        f = float(v) if is_number(v) else math.nan
     except OverflowError:  # an int past the float range
         f = math.inf
     if not math.isfinite(f) or not (lo < f if lo_open else lo <= f) or not f <= hi:

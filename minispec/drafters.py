@@ -1,16 +1,9 @@
-"""Drafters: what proposes the tokens that the target verifies.
+"""Drafters: what proposes the tokens that the target verifies (the `Drafter` protocol).
 
-`speculate` asks a drafter for up to k tokens per sequence and the distributions
-q they were drawn from (see `Drafter`). Two come with minispec:
-
-- `ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples
-  d_1..d_k autoregressively over its own paged cache (`CachedRows`);
-- `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's
-  last tokens earlier in its own context (Saxena 2023); q is one-hot on it.
-
-`CachedRows` is the cache bookkeeping both the target and a model draft use:
-one cache sequence per batch row, with the tokens of a round rolled back to
-what the round committed.
+`ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples d_1..d_k over its own
+paged cache. `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's last tokens
+earlier in its own context (Saxena 2023); q is one-hot on it. `CachedRows`: the cache bookkeeping
+the target and a model draft share, one cache sequence per batch row, rolled back each round.
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .errors import check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
@@ -27,10 +21,9 @@ PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
 class CachedRows:
     """A model, its paged cache, and one cache sequence per batch row.
 
-    Between rounds a row's cache holds its committed tokens except `pending`
-    ones; at least the last committed token stays pending, because feeding it
-    is what yields the next position's logits. Rows that share a prompt share
-    its prefill: it runs once and the blocks are forked (copy-on-write).
+    Between rounds a row's cache holds its committed tokens except `pending` ones; at least the last
+    committed token stays pending, because feeding it is what yields the next position's logits. Rows
+    that share a prompt share its prefill: it runs once and the blocks are forked (copy-on-write).
     """
 
     def __init__(self, model, prompts: dict[int, list[int]], block_size: int):
@@ -125,11 +118,9 @@ def draw_exact(logits: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> tu
 class ModelDrafter(Drafter):
     """A smaller Transformer samples d_1..d_k autoregressively over its own paged cache.
 
-    Each step feeds every live row's last token and draws the next from the draft's
-    logits through the same `logits_to_probs` as the target's (so q has the same
-    temperature, top-k and top-p); `draw` is that step, replaceable only so the
-    negative controls (minispec.controls) can break it. Greedy drafting proposes
-    the argmax, and q is one-hot on it.
+    Each step draws from the draft's logits through the same `logits_to_probs` as the target's (so q
+    has the same temperature, top-k and top-p); `draw` is that step, replaceable only so the negative
+    controls (minispec.controls) can break it. Greedy drafting proposes the argmax, q one-hot on it.
     """
 
     def __init__(self, model, draw: Draw = draw_exact):
@@ -145,8 +136,7 @@ class ModelDrafter(Drafter):
         self.rows = CachedRows(self.model, fits, block_size)
 
     def propose(self, rows, ks, contexts, gens):
-        tokens = {r: [] for r in rows}
-        qs = {r: [] for r in rows}
+        tokens, qs = {r: [] for r in rows}, {r: [] for r in rows}
         # the draft cache holds committed + k - 1 tokens once d_1..d_{k-1} are fed
         ks = {r: min(kk, self.max_len - len(contexts[r]) + 1) if r in self.rows.seq else 0 for r, kk in zip(rows, ks)}
         self.steps = max(ks.values(), default=0)
@@ -179,18 +169,13 @@ class ModelDrafter(Drafter):
 class PromptLookupDrafter(Drafter):
     """Model-free drafting: find the sequence's last n tokens earlier in its own context, propose what followed.
 
-    Tries n = ngram down to min_ngram, most recent match first. The proposal is
-    a deterministic function of the context, so q is one-hot on it and the
-    exact rule still applies at any temperature (accept d with probability
-    p(d); on rejection sample p with d removed). No match: no draft, and the
-    round is a plain target step.
+    Tries n = ngram down to min_ngram, most recent match first. The proposal is a function of the context,
+    so q is one-hot on it and the exact rule applies at any temperature. No match: no draft.
     """
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):
-        if not (isinstance(ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= ngram):
-            raise ValueError(f"PromptLookupDrafter needs integers 1 <= min_ngram <= ngram, got ngram={ngram!r}, "
-                             f"min_ngram={min_ngram!r}")
-        self.ngram, self.min_ngram = ngram, min_ngram
+        self.ngram = check_int("ngram", ngram, 1)
+        self.min_ngram = check_int("min_ngram", min_ngram, 1, ngram)
 
     def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
         self.vocab_size = vocab_size
@@ -209,24 +194,6 @@ class PromptLookupDrafter(Drafter):
         tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
         self.steps = 0
         return tokens, [one_hot(t, self.vocab_size) for t in tokens]
-
-
-def check_compatible(target, draft) -> None:
-    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
-                         "token ids, so draft and target must share one tokenizer and vocabulary")
-    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
-    if (tt is None) != (dt is None):
-        which = "target" if dt is None else "draft"
-        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
-                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
-    if tt is not None and tt is not dt:
-        ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
-        if ft != fd:
-            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
-                             "speculative decoding needs one shared tokenizer")
 
 
 def make_drafter(target, draft, draw: Draw = draw_exact) -> Drafter:

@@ -1,17 +1,13 @@
 """A Llama-family decoder-only transformer, written from scratch.
 
-RMSNorm, rotary position embeddings (rotate-half, as in Hugging Face's Llama),
-grouped-query attention, SwiGLU feed-forward, tied or untied lm_head.
-Module names follow the Hugging Face checkpoint names (without the "model."
-prefix), so converting a checkpoint is a rename, not a reshuffle.
+RMSNorm, rotary position embeddings (rotate-half, as in Hugging Face's Llama), grouped-query attention,
+SwiGLU feed-forward, tied or untied lm_head. Module names follow the Hugging Face checkpoint names
+(without the "model." prefix), so converting a checkpoint is a rename, not a reshuffle. `model(tokens)`
+is a full causal forward that keeps no state; `model.step(cache, seqs, new_tokens)` appends ragged new
+tokens to the sequences' paged KV cache (prefill and decode). The data flow: docs/design.md.
 
-Two ways to run it:
-- `model(tokens)`: a full causal forward over (B, T) tokens; keeps no state.
-- `model.step(cache, seqs, new_tokens)`: appends ragged new tokens to the
-  sequences' paged KV cache and returns their logits (prefill and decode).
-
-References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoFormer),
-Ainslie et al. 2023 (GQA), Shazeer 2020 (GLU variants), Kwon et al. 2023 (PagedAttention).
+References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoFormer), Ainslie et al. 2023 (GQA),
+Shazeer 2020 (GLU variants), Kwon et al. 2023 (PagedAttention).
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ import torch.nn.functional as F
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import ModelConfig
+from .errors import check_token_ids
 from .generate import generate
 from .speculative import speculate
 from .threads import tuned
@@ -80,10 +77,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], sizes: list[int]) -> None:
     """Keep the linear layers `parts` (same input, no bias or all biases) as one nn.Linear `fused`.
 
-    One matrix-vector product instead of several in every decode step. The rows of
-    `module.<fused>` are the parts' rows, stacked in order (`sizes` rows each), and
-    state_dict() / load_state_dict() still use the part names (the Hugging Face names),
-    so checkpoints and converters never see the fusion.
+    One matrix-vector product instead of several in every decode step. The rows of `module.<fused>` are
+    the parts' rows, stacked in order (`sizes` rows each), and state_dict() / load_state_dict() still use
+    the part names (the Hugging Face names), so checkpoints and converters never see the fusion.
     """
     def split(mod, state_dict, prefix, local_metadata) -> None:
         items = list(state_dict.items())
@@ -207,9 +203,8 @@ class Transformer(nn.Module):
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)set the RoPE cos/sin tables from the config: empty buffers (never saved) that grow with use.
 
-        The tables cover positions [0, n) for the longest sequence seen so far, not max_seq_len:
-        a config may allow millions of positions, and a table for all of them would be built
-        (gigabytes) before the first token. `_rope_tables` extends them as positions arrive.
+        They cover the longest sequence seen so far, not max_seq_len: a config may allow millions of
+        positions, and a table for all of them (gigabytes) would be built before the first token.
         """
         empty = torch.empty(0, self.config.head_dim, device=device)
         self.register_buffer("rope_cos", empty, persistent=False)  # (S, D): rotate-half layout
@@ -259,9 +254,8 @@ class Transformer(nn.Module):
     def _trunk(self, tokens, positions, kv: torch.Tensor | None = None, meta: AttentionMetadata | None = None):
         """Tokens (B, T) at `positions` -> final hidden states (B, T, dim).
 
-        kv: the cache's pool (n_layers, num_slots, 2*Hkv, D) and meta: where to write and read in it;
-        both None for a full causal forward.
-        """
+        kv: the cache's pool (n_layers, num_slots, 2*Hkv, D), meta: where to write and read in it (both None:
+        a full causal forward)."""
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])  # (B, L): L > every position
         for i, layer in enumerate(self.layers):
@@ -289,18 +283,10 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        self.check_ids(tokens)
+        check_token_ids(tokens, self.config.vocab_size)
         tokens = tokens.to(self.device)
         positions = torch.arange(T, device=self.device).expand(tokens.shape[0], T)
         return self.logits(self._trunk(tokens, positions)).float()
-
-    def check_ids(self, tokens) -> None:
-        t = torch.as_tensor(tokens)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
-            bad = int(t.max()) if int(t.max()) >= self.config.vocab_size else int(t.min())
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
-
-    # ---- the paged-cache path ----
 
     def new_cache(self, num_blocks: int | None = None, block_size: int = 16, memory_bytes: int | None = None,
                   dtype: torch.dtype | None = None, max_blocks: int | None = None) -> PagedKVCache:
@@ -316,11 +302,10 @@ class Transformer(nn.Module):
              all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model.
 
-        Returns fp32 logits: (B, vocab) for each sequence's last new token, or with
-        all_logits (B, T, vocab) for every new token (right-padded to T = max length).
-        With hidden, the final (normed) hidden states (B, T, dim) instead, for a caller that
-        applies `logits()` only where it needs them (the lm_head is the largest matrix).
-        Prefill is a step with the whole prompt; decode is a step with one token each.
+        Returns fp32 logits: (B, vocab) for each sequence's last new token, or with all_logits
+        (B, T, vocab) for every new token (right-padded to T = max length). With hidden, the final
+        (normed) hidden states (B, T, dim) instead, for a caller that applies `logits()` only where it
+        needs them (the lm_head is the largest matrix). Prefill is a step with the whole prompt.
         """
         n_new = [len(t) for t in new_tokens]
         if min(n_new) < 1:
@@ -329,10 +314,8 @@ class Transformer(nn.Module):
             if cache.length(s) + n > self.config.max_seq_len:
                 raise ValueError(f"sequence {s} would reach {cache.length(s) + n} tokens, past max_seq_len={self.config.max_seq_len}")
         T = max(n_new)
-        padded = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, t in enumerate(new_tokens):
-            padded[b, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        self.check_ids(padded)
+        padded = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)  # (B, T)
+        check_token_ids(padded, self.config.vocab_size)
         meta = cache.prepare(seqs, n_new)
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
@@ -349,7 +332,7 @@ class Transformer(nn.Module):
             last = torch.tensor(n_new, device=h.device) - 1
             return self.logits(h[torch.arange(len(seqs), device=h.device), last]).float()  # (B, vocab)
 
-    # ---- checkpoints and generation live in their own modules: the functions are the methods ----
+    # checkpoints and generation live in their own modules: the functions are the methods
 
     from_pretrained = classmethod(load_pretrained)  # Transformer.from_pretrained(dir, device=None, dtype=None)
     save_pretrained = save_pretrained  # model.save_pretrained(dir, dtype=None)

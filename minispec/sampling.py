@@ -1,27 +1,18 @@
 """Sampling: logits -> the exact distribution sampled from -> a token.
 
-`logits_to_probs` is the single place where temperature, top-k and top-p are
-applied. Speculative decoding calls it on both the draft's and the target's
-logits, so the draft's q is exactly the distribution its tokens were drawn
-from. Temperature 0 (greedy) is the one-hot distribution on the argmax, which
-makes the greedy acceptance rule a special case of the sampling rule.
-Order of processing follows Hugging Face: temperature, then top-k, then top-p.
+`logits_to_probs` is the single place where temperature, top-k and top-p are applied (in Hugging
+Face's order). Speculative decoding calls it on both the draft's and the target's logits, so the
+draft's q is exactly the distribution its tokens were drawn from. Temperature 0 (greedy) is the
+one-hot distribution on the argmax, which makes the greedy acceptance rule a special case.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
-
-MAX_SEED = 2**63 - 1  # seeds are non-negative and fit a signed 64-bit int (sequence i of a batch uses seed + i)
-
-
-class SamplingError(InputError):
-    """A sampling setting is invalid, or leaves a row of logits nothing that can be sampled."""
+from .errors import SamplingError, check_logits, check_sampling, check_seed, unsampleable
 
 
 @dataclass(frozen=True)
@@ -32,51 +23,11 @@ class SamplingParams:
     seed: int | None = None  # seeds the sampling generator; the same seed gives the same tokens
 
     def __post_init__(self):
-        t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {t!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise SamplingError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        check_seed(self.seed)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def check_seed(seed) -> None:
-    """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
-
-
-def _unsampleable(logits: torch.Tensor) -> str | None:
-    """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
-
-    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One device sync.
-    """
-    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any()
-    no_token = torch.isneginf(logits).all(-1).any()
-    flags = torch.stack((nonfinite, no_token)).tolist()
-    return "NaN or +inf" if flags[0] else "-inf for every token" if flags[1] else None
-
-
-def check_logits(logits: torch.Tensor) -> None:
-    """Refuse model logits that no setting can sample from (see _unsampleable), greedy included."""
-    what = _unsampleable(logits)
-    if what is not None:
-        raise SamplingError(f"the model's logits are {what} in some row: nothing can be sampled; the checkpoint's "
-                            "weights or config (norm_eps, rope_theta, rope_scaling) are likely corrupt")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -91,7 +42,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
-    if _unsampleable(logits) is not None:  # finite / tiny overflows to +-inf (and inf - inf is NaN in softmax)
+    if unsampleable(logits) is not None:  # finite / tiny overflows to +-inf (and inf - inf is NaN in softmax)
         raise SamplingError(f"temperature={params.temperature!r} is too small: the scaled logits overflow float32; "
                             "use temperature=0 for greedy decoding or a larger temperature")
     if params.top_k is not None and params.top_k < logits.shape[-1]:
@@ -110,26 +61,20 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def make_generators(seed: int | None, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One generator per sequence: sequence i of a batch draws from seed + i.
+    """One CPU generator per sequence: sequence i of a batch draws from seed + i.
 
-    With a seed, sequence i of a batch gets the same random stream as a single
-    run with seed + i. Without one, the streams are seeded from torch's RNG.
+    So sequence i gets the same random stream as a single run with seed + i. Without a seed, the
+    streams are seeded from torch's RNG.
     """
     check_seed(seed)
     base = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
-    gens = []
-    for i in range(n):
-        g = torch.Generator(device="cpu")
-        g.manual_seed(base + i)
-        gens.append(g)
-    return gens
+    return [torch.Generator(device="cpu").manual_seed(base + i) for i in range(n)]
 
 
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """Inverse-CDF draw per row: probs (B, V), u (B,) uniforms in [0, 1) -> B token ids.
 
-    The uniforms are given, so callers such as speculative.verify stay pure
-    functions, and a batch of rows costs one call.
+    The uniforms are given, so callers such as speculative.verify stay pure functions.
     """
     probs = probs.double().cpu()
     cdf = probs.cumsum(-1)  # (B, V)

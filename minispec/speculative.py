@@ -1,55 +1,31 @@
-"""Exact speculative decoding over the paged KV cache.
+"""Exact speculative decoding over the paged KV cache: the maths and the batched loop.
 
-One round, per sequence (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling"):
-
-1. the drafter proposes d_1..d_k, each drawn from q_i, the exact distribution
-   it sampled from (the draft's logits through the same `logits_to_probs`);
-2. the target runs once over [last committed token, d_1..d_k] -> p_1..p_{k+1};
-3. left to right, d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i));
-4. at the first rejection the next token comes from norm(max(0, p_i - q_i));
-5. if all k are accepted, a bonus token comes from p_{k+1};
-6. both caches are truncated back to the committed tokens.
-
-Every emitted token is then distributed exactly as under target-only sampling:
-min(p, q) arrives by acceptance, max(0, p - q) by the residual, and they sum
-to p (`acceptance` computes both halves so the tests can check the sum).
-Greedy decoding is the same rule: `logits_to_probs` makes p and q one-hot, so
-d_i is accepted iff it is the target's argmax and the residual is that argmax.
-
-This module is the maths and the loop. The maths lives in pure functions
-(`acceptance`, `residual`, `verify`, `greedy_verify`, and `sampling.sample_rows`);
-`speculate` is the batched loop around them. Drafters (minispec.drafters) propose;
-k="auto" (minispec.adaptive) picks k each round. `ExactSampler` names the three
-steps a sampler takes (the draft's draw, the acceptance step, its greedy form) so
-that the deliberately broken samplers of minispec.controls can each replace one,
-and the exact path never branches on which sampler runs.
+After Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et
+al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"). The maths is pure
+functions (`acceptance`, `residual`, `verify`, `greedy_verify`), `speculate` the loop around them.
+One round's six steps, and why the output has the target's law: docs/design.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .adaptive import AdaptiveK, auto_k, best_k, expected_tokens  # noqa: F401 (best_k, expected_tokens: re-exported)
-from .drafters import (CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, check_compatible,  # noqa: F401
-                       draw_exact, make_drafter)
-from .generate import OnTokens, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .drafters import CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, draw_exact, make_drafter  # noqa: F401
+from .errors import check_max_new_tokens, check_proposal, normalize_prompts, resolve_stop_tokens
+from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 
-
-# ---------------------------------------------------------------------------
-# the maths: pure functions of probability vectors and uniforms
-# ---------------------------------------------------------------------------
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) over the last axis: where the next token comes from after a rejection.
 
-    When p == q the residual has no mass, but then no draft token can be
-    rejected; p is returned so the result is always a distribution.
+    When p == q the residual has no mass, but then no draft token can be rejected; p is returned so
+    the result is always a distribution.
     """
     r = (p.double() - q.double()).clamp_min(0.0)
     mass = r.sum(-1, keepdim=True)
@@ -59,11 +35,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one position: accept probability per drafted token, rejection probability, residual.
 
-    p, q: (..., V) target and draft distributions. Returns
-    accept (..., V) = min(1, p/q) (1 where q = 0: such a token is never drafted),
-    reject (...,) = sum max(0, p - q) = P(the draft token is rejected),
-    residual (..., V). The emitted token's distribution is
-    q * accept + reject * residual, which equals p.
+    p, q: (..., V) target and draft distributions. Returns accept (..., V) = min(1, p/q) (1 where q = 0:
+    such a token is never drafted), reject (...,) = sum max(0, p - q) = P(the draft token is rejected),
+    and residual (..., V). The emitted token's distribution is q * accept + reject * residual = p.
     """
     p, q = p.double(), q.double()
     accept = torch.where(q > 0, (p / q.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0), torch.ones_like(p))
@@ -74,11 +48,10 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, int]:
     """The acceptance step of one round for one sequence. Pure: no state, no RNG.
 
-    draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn
-    from; p: (k+1, V) the target's distributions at the same positions plus the
-    bonus position; uniforms: (k+1,) in [0, 1): uniforms[i] decides d_{i+1},
-    uniforms[k] draws the next token.
-    Returns (n_accepted, next_token): the round commits d_1..d_n then next_token.
+    draft_tokens: d_1..d_k (k >= 0); q: (k, V) the distributions they were drawn from; p: (k+1, V) the
+    target's at the same positions plus the bonus position; uniforms: (k+1,) in [0, 1): uniforms[i]
+    decides d_{i+1}, uniforms[k] draws the next token. Returns (n_accepted, next_token): the round
+    commits d_1..d_n then next_token.
     """
     k = len(draft_tokens)
     if q.shape[0] != k or p.shape[0] != k + 1 or uniforms.shape[0] != k + 1:
@@ -105,9 +78,8 @@ GREEDY_HEAD_CHUNK = 3
 @torch.inference_mode()
 def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[list[int]],
                   chunk: int = GREEDY_HEAD_CHUNK) -> tuple[list[int], list[int]]:
-    """Greedy acceptance for a batch from the target's hidden states h (B, T, dim): per row, the
-    number of drafts equal to the target's argmax before the first that is not, and the token
-    that follows (the correction, or the bonus after a full acceptance).
+    """Greedy acceptance for a batch from the target's hidden states h (B, T, dim): per row, the number of
+    drafts equal to the target's argmax before the first that is not, and the token that follows.
 
     Position j's logits matter only if drafts 1..j were all accepted, so the lm_head (the largest
     matrix) runs over `chunk` positions at a time, for the rows still in play, and stops early."""
@@ -131,26 +103,17 @@ def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[li
 class ExactSampler:
     """The exact algorithm as three steps, so a negative control can replace exactly one of them.
 
-    draw: how a model draft turns its logits into tokens and the q it reports (drafters.draw_exact);
-    verify: the acceptance step of one sequence at temperature > 0;
-    greedy_verify: the acceptance step of a batch at temperature 0, from the target's hidden states.
-    speculate looks a sampler up by name in SAMPLERS; minispec.controls adds the broken ones.
+    draw (a model draft's logits -> tokens and the q it reports), verify (one row at temperature > 0),
+    greedy_verify (a batch at temperature 0). minispec.controls registers the broken ones in SAMPLERS.
     """
 
     name = "exact"
-
-    def draw(self, logits, probs, u):
-        return draw_exact(logits, probs, u)
-
-    def verify(self, draft_tokens, q, p, uniforms):
-        return verify(draft_tokens, q, p, uniforms)
-
-    def greedy_verify(self, target, h, n_pending, drafts):
-        return greedy_verify(target, h, n_pending, drafts)
+    draw = staticmethod(draw_exact)  # the exact steps are the module's pure functions
+    verify = staticmethod(verify)
+    greedy_verify = staticmethod(greedy_verify)
 
 
-# sampler name -> sampler. "exact" is the algorithm; minispec.controls registers the deliberately broken
-# ones (negative controls that the statistical tests and the equivalence harness must reject).
+# sampler name -> sampler; minispec.controls adds the negative controls that the exactness tests must reject
 SAMPLERS: dict[str, ExactSampler] = {"exact": ExactSampler()}
 
 
@@ -162,10 +125,6 @@ def get_sampler(sampler: "str | ExactSampler") -> ExactSampler:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
     return SAMPLERS[sampler]
 
-
-# ---------------------------------------------------------------------------
-# results
-# ---------------------------------------------------------------------------
 
 @dataclass
 class SpeculativeStats:
@@ -203,24 +162,24 @@ class SpeculativeStats:
             for name in ("rounds", "sequence_rounds", "drafted", "accepted", "committed", "draft_time_s",
                          "verify_time_s"):
                 setattr(out, name, getattr(out, name) + getattr(st, name))
-            for mine, theirs in ((out.position_drafted, st.position_drafted),
-                                 (out.position_accepted, st.position_accepted)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for j, v in enumerate(theirs):
-                    mine[j] += v
+            _add_counts(out.position_drafted, st.position_drafted)
+            _add_counts(out.position_accepted, st.position_accepted)
             out.k_chosen += st.k_chosen
         return out
 
     def _count(self, n_drafted: int, n_accepted: int) -> None:
-        while len(self.position_drafted) < n_drafted:
-            self.position_drafted.append(0)
-            self.position_accepted.append(0)
-        for j in range(n_drafted):
-            self.position_drafted[j] += 1
-            self.position_accepted[j] += j < n_accepted
+        _add_counts(self.position_drafted, [1] * n_drafted)
+        _add_counts(self.position_accepted, [1] * n_accepted + [0] * (n_drafted - n_accepted))
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.sequence_rounds += 1
+
+
+def _add_counts(mine: list[int], theirs: list[int]) -> None:
+    """mine[j] += theirs[j] for every j, mine first lengthened with zeros to cover theirs."""
+    mine.extend([0] * (len(theirs) - len(mine)))
+    for j, v in enumerate(theirs):
+        mine[j] += v
 
 
 @dataclass
@@ -239,16 +198,14 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
-    k: draft tokens per round; "auto" picks k each round from the running acceptance
-      estimate and the measured step costs (AdaptiveK; 0 = plain decoding when
-      speculation would not pay), carried over from earlier calls with the same
-      draft, sampling settings and batch size (see auto_k); or an AdaptiveK of your own.
-    prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-    on_tokens, block_size: as in minispec.generate.generate (sequence i of a
-    batch samples from the generator seeded seed + i; temperature 0 gives
-    generate's greedy tokens).
+    k: draft tokens per round; "auto" picks k each round from the running acceptance estimate and the
+      measured step costs (AdaptiveK; 0 = plain decoding when speculation would not pay), carried over
+      from earlier calls with the same draft, sampling settings and batch size (see auto_k); or an
+      AdaptiveK of your own.
+    prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
+      minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
     sampler: "exact", or the name of a deliberately broken negative control
-      (minispec.controls: "no-residual", "always-accept", "unprocessed-q", ...).
+      (minispec.controls: "no-residual", "always-accept", "unprocessed-q").
     keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
     """
     params = SamplingParams(temperature, top_k, top_p, seed)
@@ -259,10 +216,9 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     stats = SpeculativeStats()
     drafter = make_drafter(target, draft, policy.draw)
     batch, single = normalize_prompts(target, prompts)
+    adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
     if k == "auto":
         adaptive = auto_k(target, draft, params, len(batch), policy.name)
-    else:
-        adaptive = k if isinstance(k, AdaptiveK) else None
     stops = resolve_stop_tokens(target, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
     max_len = target.config.max_seq_len
@@ -271,9 +227,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
     if not active:
         return SpeculativeResult(out[0] if single else out, stats)
     live_prompts = {i: batch[i] for i in active}
-    live_budgets = {i: budgets[i] for i in active}
     tgt = CachedRows(target, live_prompts, block_size)
-    drafter.start(live_prompts, live_budgets, params, block_size, target.config.vocab_size)
+    drafter.start(live_prompts, {i: budgets[i] for i in active}, params, block_size, target.config.vocab_size)
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
@@ -283,26 +238,20 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         t0 = time.perf_counter()
         drafts, qs = drafter.propose(active, ks, contexts, gens)
         t1 = time.perf_counter()
-        for b, i in enumerate(active):
-            if len(drafts[b]) > max(ks[b], 0):
-                raise RuntimeError(f"{type(drafter).__name__} proposed {len(drafts[b])} tokens for sequence {i}, "
-                                   f"more than the {ks[b]} asked for")
+        check_proposal(drafter, active, ks, drafts)
         n_pending = [len(tgt.pending[i]) for i in active]
         # ONE target pass verifies the whole batch: hidden states (B, T, dim); p_1..p_{k+1} of row b come
         # from those at its last pending token and at each of its drafts
         h = tgt.feed(active, drafts, hidden=True)
         if params.greedy:
-            # p is one-hot on the target's argmax, and the exact rule reduces to "accept the drafts while they
-            # equal it, then emit it" (verify() gives the same); greedy_verify skips the lm_head at positions
-            # after the first rejection
+            # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
+            # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
             decided = policy.greedy_verify(target, h, n_pending, drafts)
         else:
             b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
             t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
             probs = logits_to_probs(target.logits(h[b_idx, t_idx]).float(), params).double().cpu()  # (sum k_b + 1, V)
-            starts = [0]
-            for d in drafts:
-                starts.append(starts[-1] + len(d) + 1)
+            starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of probs
             decided = list(zip(*[policy.verify(drafts[b], qs[b], probs[starts[b]:starts[b + 1]],
                                                torch.rand(len(drafts[b]) + 1, generator=gens[i], dtype=torch.float64))
                                  for b, i in enumerate(active)]))
@@ -312,10 +261,8 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             stats._count(len(drafts[b]), n)
             n_accepted.append(n)
             new = drafts[b][:n] + [nxt]
-            for j, t in enumerate(new):  # a stop token inside the accepted run ends the sequence there
-                if t in stops:
-                    new = new[:j + 1]
-                    break
+            # a stop token inside the accepted run ends the sequence there
+            new = new[:next((j for j, t in enumerate(new) if t in stops), len(new) - 1) + 1]
             out[i] += new
             contexts[i] += new
             stats.committed += len(new)

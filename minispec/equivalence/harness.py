@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..adaptive import AdaptiveK
-from ..drafters import PROMPT_LOOKUP, check_compatible
-from ..generate import normalize_prompts
+from ..drafters import PROMPT_LOOKUP
+from ..errors import check_compatible, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import get_sampler
 from .stats import ORDERS, RunStats, analyse, pit

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minispec import ModelConfig, Transformer
-from minispec.drafters import check_compatible
+from minispec.errors import check_compatible
 
 from .data import Example
 
