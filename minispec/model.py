@@ -264,14 +264,10 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_ids is None:
-            out = F.linear(h, w)
-        else:
-            out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf"))
-            out[..., self.head_ids] = F.linear(h, w)
-        n = self.config.sampled_vocab_size
-        if n is not None and n < self.config.vocab_size:
+        out = F.linear(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        if self.head_ids is not None:  # a subset head: every other id gets -inf
+            out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
+        if (n := self.config.sampled_vocab_size) is not None:
             out[..., n:] = float("-inf")  # rows that are no token: probability 0, in the target and the draft alike
         return out
 
