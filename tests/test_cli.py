@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from minispec.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
-SMOL = ROOT / "weights" / "smollm2-135m-instruct"
-DRAFT = ROOT / "weights" / "smollm2-135m-draft"
+from conftest import ROOT, SMOL_DRAFT, require_smollm2
 
 
 @pytest.fixture(scope="module")
 def smol_dirs():
-    if not (SMOL / "config.json").is_file():
-        pytest.skip(f"{SMOL} is absent: convert it with `make weights` (tools/convert_gguf.py)")
+    smol = require_smollm2()
     torch.set_num_threads(1)
-    return str(SMOL), str(DRAFT)
+    return str(smol), str(SMOL_DRAFT)
 
 
 def test_generate_plain_and_speculative_agree(smol_dirs, capsys):

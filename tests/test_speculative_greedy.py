@@ -6,31 +6,24 @@ must equal target-only greedy decoding token for token, whatever the draft.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import peaked_model, truncated
+from conftest import peaked_model, require_smollm2, truncated
 from minispec import Transformer
 from minispec.speculative import PromptLookupDrafter
 
 V = 16
 
 
-def random_model(seed: int, dim: int = 32, n_layers: int = 3, logit_scale: float = 2.0, max_seq_len: int = 64,
-                 vocab_size: int = V) -> Transformer:
-    """Peaked, context-dependent conditionals: greedy paths that wander over the vocabulary."""
-    return peaked_model(seed, vocab_size, dim, n_layers, logit_scale, max_seq_len)
-
-
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    target = random_model(0)
-    return {"target": target, "truncated": truncated(target), "small": random_model(1, dim=16, n_layers=1)}
+    target = peaked_model(0, V, n_layers=3)
+    return {"target": target, "truncated": truncated(target), "small": peaked_model(1, V, dim=16, n_layers=1)}
 
 
 prompt_st = st.lists(st.integers(0, V - 1), min_size=1, max_size=12)
@@ -82,7 +75,7 @@ def test_stop_token_and_budget_cut_inside_an_accepted_run(models):
 
 
 def test_context_window_caps_k(models):
-    target = random_model(0, max_seq_len=20)
+    target = peaked_model(0, V, n_layers=3, max_seq_len=20)
     prompt = [1, 2, 3, 4, 5, 6]
     want = target.generate(prompt, max_new_tokens=50, stop_tokens=[])
     assert len(want) == 20 - len(prompt)  # generation stops at max_seq_len
@@ -169,15 +162,10 @@ def test_prompt_lookup_drafts_repeats(models):
     assert res.stats.drafted > 0
 
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not (WEIGHTS / "config.json").exists(),
-                    reason=f"{WEIGHTS} not present (produce it with the converter, e.g. `make weights`)")
 def test_smollm2_greedy_equals_generate():
     torch.set_num_threads(1)
-    target = Transformer.from_pretrained(WEIGHTS)
+    target = Transformer.from_pretrained(require_smollm2())
     prompt = target.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     want = target.generate(prompt, max_new_tokens=24, temperature=0.0)
     # prompt lookup: some drafts accepted, some rejected (0.24 when written); the target itself: all accepted
@@ -192,7 +180,7 @@ def test_greedy_verify_any_chunk_matches_full_argmax(chunk):
     """greedy_verify scores `chunk` positions per lm_head product and stops at the first rejection;
     whatever the chunk, it returns what the argmax over all positions says."""
     from minispec.speculative import greedy_verify
-    model = random_model(3)
+    model = peaked_model(3, V, n_layers=3)
     g = torch.Generator().manual_seed(0)
     B, T = 5, 7
     h = torch.randn(B, T, model.config.dim, generator=g)

@@ -26,11 +26,6 @@ N = 3000  # samples per run: enough power for the negative controls, a second or
 PROMPT = [1, 5, 2, 7, 3]
 
 
-def random_model(seed: int, dim: int = 32, n_layers: int = 2, logit_scale: float = 2.0, max_seq_len: int = 64) -> Transformer:
-    """Peaked, context-dependent conditionals over V tokens."""
-    return peaked_model(seed, V, dim, n_layers, logit_scale, max_seq_len)
-
-
 def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) -> Transformer:
     """conftest's truncated draft (the target's first n_layers), its head logits scaled by logit_scale."""
     m = shared_truncated(target, n_layers)
@@ -42,13 +37,13 @@ def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) 
 @pytest.fixture(scope="module")
 def models():
     torch.set_num_threads(1)
-    target = random_model(0)  # mean entropy ~1.2 nats (uniform: ln 8 = 2.08), argmax depends on the context
+    target = peaked_model(0, V)  # mean entropy ~1.2 nats (uniform: ln 8 = 2.08), argmax depends on the context
     return {
         "target": target,  # draft == target: every draft is accepted
         "truncated": truncated(target),  # acceptance ~0.5-0.7
         "truncated-peaked": truncated(target, logit_scale=4.0),  # near-deterministic draft
-        "small": random_model(1, dim=16, n_layers=1),  # an unrelated smaller config: acceptance ~0.2
-        "near-uniform": random_model(2, dim=16, n_layers=1, logit_scale=0.05),
+        "small": peaked_model(1, V, dim=16, n_layers=1),  # an unrelated smaller config: acceptance ~0.2
+        "near-uniform": peaked_model(2, V, dim=16, n_layers=1, logit_scale=0.05),
     }
 
 

