@@ -133,6 +133,7 @@ def _biased_samples(target, kind: str, eps: float, n: int, seed: int, params=Sam
     return x[:, len(PROMPT):].tolist()
 
 
+@pytest.mark.slow
 def test_the_stated_bias_injected_into_real_sampling_is_rejected_in_85_of_100_runs(pair, exact_run):
     # the headline kind (the one whose figure is the largest TV), at its stated eps, through target_pit and analyse
     target, _ = pair

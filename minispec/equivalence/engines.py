@@ -100,12 +100,13 @@ def load_hf(transformers, path):
 
 
 def generation_config(transformers, params: SamplingParams, new_tokens: int):
-    """Exactly the stated settings, every other one that shapes the distribution off, eos disabled."""
-    sampling = not params.greedy
-    return transformers.GenerationConfig(
-        do_sample=sampling, temperature=params.temperature if sampling else 1.0,
-        top_k=(params.top_k or 0) if sampling else 0, top_p=(params.top_p or 1.0) if sampling else 1.0,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **NEUTRAL)
+    """Exactly the stated settings, every other one that shapes the distribution off, eos disabled. Greedy
+    decoding (temperature 0) sets no sampling filter: transformers applies none without do_sample."""
+    sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k or 0,
+                                             top_p=params.top_p or 1.0)
+    return transformers.GenerationConfig(do_sample=not params.greedy, max_new_tokens=new_tokens,
+                                         min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **sampling,
+                                         **NEUTRAL)
 
 
 def check_same_target(hf_model, target, prompt: list[int], where: str) -> float:
