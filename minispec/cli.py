@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .drafters import PROMPT_LOOKUP
-from .equivalence import DEFAULTS, MIN_SAMPLES, ORDERS, EquivalenceInputError, plot_report, run_equivalence
+from .equivalence import (DEFAULTS, ENGINES, MIN_SAMPLES, ORDERS, EquivalenceInputError, audit_samples, exported,
+                          plot_report, run_equivalence)
 from .errors import one_line
 from .model import Transformer
 from .speculative import SAMPLERS
@@ -194,28 +195,57 @@ def run_generate(args: argparse.Namespace) -> int:
 
 # ---- the command table and entry point
 
+def _jsonl_out(s: str) -> str:
+    """An output file whose folder exists (checked before any sampling, so a long run cannot end unwritable)."""
+    parent = Path(s).resolve().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {parent} does not exist")
+    return s
+
+
+# the sampling options a samples file states itself (--samples-file rejects them); argparse defaults are None
+# so that an option given can be told from one left at its default (DEFAULTS fills those in)
+SAMPLING_OPTIONS = {"samples": "--samples", "tokens": "--tokens", "temperature": "--temperature", "top_k": "--top-k",
+                    "top_p": "--top-p", "k": "--k", "sampler": "--sampler"}
+
+
 def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     """The `equivalence` subcommand: every value is checked here, so bad input exits with 2 before a model loads."""
     d = DEFAULTS
-    p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint directory")
-    p.add_argument("--draft", required=True, type=_draft, metavar="DIR|prompt-lookup",
-                   help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context)")
+    p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR",
+                   help="the target checkpoint directory (minispec's model scores every sample)")
+    p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
+                   help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context); needed by "
+                        "--engine minispec and transformers-assisted, not with --samples-file")
+    p.add_argument("--engine", choices=ENGINES, default="minispec",
+                   help="what draws the samples: minispec's speculate (default), transformers' plain sampling, or "
+                        "transformers' assisted generation (the pair exported with tools/export_hf.py, or "
+                        "--hf-target/--hf-draft)")
+    p.add_argument("--hf-target", metavar="DIR", help="the target as a Hugging Face directory for the transformers "
+                                                      "engines (default: --target exported into a temporary one)")
+    p.add_argument("--hf-draft", metavar="DIR", help="the assistant as a Hugging Face directory for "
+                                                     "transformers-assisted (default: --draft exported)")
+    p.add_argument("--samples-file", metavar="FILE.jsonl",
+                   help="test samples drawn by any engine (first line: the settings; then one "
+                        '{"prompt": [ids], "tokens": [ids]} per line; see docs/equivalence.md)')
+    p.add_argument("--save-samples", type=_jsonl_out, metavar="FILE.jsonl",
+                   help="write the samples tested, in the --samples-file format (once the verdict is complete)")
     p.add_argument("--prompt", metavar="TEXT", help="a prompt (text)")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (with --prompt: both)")
-    p.add_argument("--samples", type=_int_at_least(MIN_SAMPLES), metavar="N", default=d["samples"],
+    p.add_argument("--samples", type=_int_at_least(MIN_SAMPLES), metavar="N",
                    help=f"samples per prompt, >= {MIN_SAMPLES} (default {d['samples']})")
-    p.add_argument("--tokens", type=_int_at_least(1), metavar="T", default=d["tokens"],
+    p.add_argument("--tokens", type=_int_at_least(1), metavar="T",
                    help=f"new tokens per sample (default {d['tokens']})")
-    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), metavar="X", default=d["temperature"],
+    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), metavar="X",
                    help=f"default {d['temperature']}; 0 checks equality with target greedy instead")
-    p.add_argument("--top-k", type=_int_at_least(0), metavar="K", default=d["top_k"],
+    p.add_argument("--top-k", type=_int_at_least(0), metavar="K",
                    help=f"sample from the k most likely tokens; 0 = off (default {d['top_k']})")
-    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), metavar="P", default=None,
-                   help="nucleus sampling mass")
-    p.add_argument("--k", type=k_argument, metavar="K", default=d["k"],
-                   help=f"draft tokens per round, or 'auto' (default {d['k']})")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), metavar="P", help="nucleus sampling mass")
+    p.add_argument("--k", type=k_argument, metavar="K",
+                   help=f"draft tokens per round, or 'auto' (default {d['k']}); for transformers-assisted, the "
+                        "assistant's num_assistant_tokens ('auto': transformers' own schedule)")
     p.add_argument("--seed", type=_int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
-    p.add_argument("--sampler", default="exact", choices=list(SAMPLERS), metavar="NAME",
+    p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
     p.add_argument("--alpha", type=_float_in(0.0, 1.0, lo_open=True, hi_open=True), metavar="A", default=d["alpha"],
                    help=f"significance level of the verdict, in (0, 1) (default {d['alpha']})")
@@ -224,11 +254,44 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bins", type=_int_at_least(2), metavar="B", default=d["bins"],
                    help="chi-square histogram bins (default 20)")
     p.add_argument("--batch-size", type=_int_at_least(1), metavar="B", default=d["batch_size"],
-                   help=f"samples per batched speculate call (default {d['batch_size']})")
+                   help=f"samples per batched sampling call and per early-stop look (default {d['batch_size']})")
+    p.add_argument("--power-runs", type=_int_at_least(0), metavar="R", default=d["power_runs"],
+                   help=f"simulated runs per bias size for the power figure; 0 = none (default {d['power_runs']})")
     p.add_argument("--no-reference", action="store_true", help="skip the target-only calibration run (halves the time)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", metavar="OUT.png", help="write the u histograms per position (needs matplotlib)")
     p.add_argument("--device", type=device_argument, default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
+
+
+def _check_equivalence_options(args) -> None:
+    """The combinations argparse cannot check alone; fills in the sampling defaults."""
+    if args.samples_file is not None:
+        given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
+        given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
+                                      ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
+                                      ("--save-samples", args.save_samples)) if v is not None]
+        if args.engine != "minispec":
+            given.append("--engine")
+        if given:
+            raise UsageError(f"{', '.join(given)} do(es) not apply with --samples-file: the file's first line states "
+                             "the settings and its samples are already drawn")
+        return
+    for name in SAMPLING_OPTIONS:
+        if getattr(args, name) is None:
+            setattr(args, name, DEFAULTS[name])
+    if args.engine == "minispec" and args.draft is None:
+        raise UsageError("--engine minispec needs --draft DIR|prompt-lookup (or give --samples-file)")
+    if args.engine != "minispec":
+        if args.draft == PROMPT_LOOKUP:
+            raise UsageError(f"--engine {args.engine} loads a model draft with transformers: prompt-lookup is "
+                             "minispec's own drafter")
+        if args.sampler != "exact":
+            raise UsageError(f"--sampler {args.sampler} is a minispec negative control; --engine {args.engine} "
+                             "samples with transformers' own code")
+        if args.engine == "transformers-assisted" and args.draft is None and args.hf_draft is None:
+            raise UsageError("--engine transformers-assisted needs --draft DIR (exported) or --hf-draft DIR")
+        if args.engine == "transformers" and (args.draft is not None or args.hf_draft is not None):
+            raise UsageError("--engine transformers samples the target alone: --draft/--hf-draft do not apply")
 
 
 def _read_prompts(args) -> list[str]:
@@ -244,20 +307,18 @@ def _read_prompts(args) -> list[str]:
         texts += lines
     if not texts:
         raise UsageError("give a prompt: --prompt TEXT or --prompts FILE")
-    if args.plot is not None and args.temperature > 0:
+    return texts
+
+
+def _check_plot(args) -> None:
+    if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install matplotlib (an optional extra)") from None
-    return texts
 
 
-def run_equivalence_cli(args: argparse.Namespace) -> int:
-    """Run the harness. Exit status: 0 passed, 1 failed (or uncalibrated), 2 bad input."""
-    texts = _read_prompts(args)
-    device = _device(args.device)
-    target = Transformer.from_pretrained(args.target, device=device)
-    draft = args.draft if args.draft == PROMPT_LOOKUP else Transformer.from_pretrained(args.draft, device=device)
+def _encode_prompts(args, texts: list[str], target) -> list[list[int]]:
     tok = target.tokenizer
     if tok is None:
         raise UsageError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); the prompts are text")
@@ -268,20 +329,49 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
             raise UsageError(f"prompt {i} ({text!r}) encodes to no tokens and this tokenizer adds no bos; "
                              "give a non-empty prompt")
         prompts.append(ids)
-    report = run_equivalence(target, draft, prompts, samples=args.samples, tokens=args.tokens, k=args.k,
-                             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                             seed=args.seed, sampler=args.sampler, alpha=args.alpha, bins=args.bins,
-                             orders=ORDERS if args.order == "both" else (args.order,),
-                             reference=not args.no_reference, batch_size=args.batch_size, progress=True,
-                             names={"target": args.target, "draft": args.draft})
+    return prompts
+
+
+def run_equivalence_cli(args: argparse.Namespace) -> int:
+    """Run the harness. Exit status: 0 passed, 1 failed (or uncalibrated), 2 bad input.
+    Nothing is written (--save-samples, --plot) until the verdict is complete."""
+    _check_equivalence_options(args)
+    _check_plot(args)
+    texts = None if args.samples_file is not None else _read_prompts(args)  # fails before any model loads
+    device = _device(args.device)
+    target = Transformer.from_pretrained(args.target, device=device)
+    test = dict(seed=args.seed, alpha=args.alpha, bins=args.bins, orders=ORDERS if args.order == "both" else (args.order,),
+                reference=not args.no_reference, batch_size=args.batch_size, progress=True,
+                power_runs=args.power_runs, names={"target": args.target, "draft": args.draft})
+    if args.samples_file is not None:
+        report = audit_samples(target, args.samples_file, **test)
+    else:
+        prompts = _encode_prompts(args, texts, target)
+        sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
+                        top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
+        if args.engine == "minispec":
+            draft = args.draft if args.draft == PROMPT_LOOKUP else Transformer.from_pretrained(args.draft, device=device)
+            report = run_equivalence(target, draft, prompts, **sampling, **test)
+        else:
+            with exported({"target": args.hf_target or args.target,
+                           "draft": args.hf_draft or args.draft}) as hf_dirs:
+                report = run_equivalence(target, None, prompts, hf_dirs=hf_dirs, **sampling, **test)
+    _write_outputs(args, report)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.passed and report.calibrated is not False else 1
+
+
+def _write_outputs(args, report) -> None:
+    """--plot and --save-samples, written once the verdict is complete."""
     if args.plot is not None:
         if report.mode == "pit":
             plot_report(report, args.plot)
             report.notes.append(f"u histograms written to {args.plot}")
         else:
             report.notes.append("--plot ignored: a greedy run has no u's to plot")
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-    return 0 if report.passed and report.calibrated is not False else 1
+    if args.save_samples is not None:
+        report.samples.write(args.save_samples)
+        report.notes.append(f"the {len(report.samples.tokens)} samples tested written to {args.save_samples}")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -10,10 +10,18 @@ through the same loop as the exact algorithm:
   (over-weights the tokens the draft already likes);
 - "always-accept": accept every draft token (the output is the draft's);
 - "unprocessed-q": a model draft samples from its processed q but reports its raw
-  softmax (temperature 1, no top-k / top-p) to the acceptance step.
+  softmax (temperature 1, no top-k / top-p) to the acceptance step;
+- "greedy-draft": a model draft proposes its argmax but reports its processed
+  softmax as q, so the acceptance step divides by a q the token was not drawn
+  from. This is the bug transformers 4.41-4.44 shipped for assisted generation
+  with do_sample=True (huggingface/transformers issue #32867, fixed by PR #33534):
+  the draft's argmax is accepted with probability min(1, p/q) and every other
+  token can only come from the residual, so the output leans toward the draft's
+  favourite token whenever the draft is not one-hot.
 
 At temperature 0 only "always-accept" differs from exact: with one-hot p and q
-the residual is p, and a one-hot draw reports the same q either way.
+the residual is p, and a one-hot draw reports the same q either way (and a
+greedy draft is already what "greedy-draft" makes of every draft).
 """
 
 from __future__ import annotations
@@ -52,9 +60,16 @@ class UnprocessedQ(ExactSampler):
         return tokens, logits.float().softmax(-1).double().cpu()
 
 
+class GreedyDraft(ExactSampler):
+    name = "greedy-draft"
+
+    def draw(self, logits, probs, u):
+        return probs.argmax(-1).tolist(), probs  # proposes the argmax, reports the distribution it did not draw from
+
+
 def register(*samplers: ExactSampler) -> None:
     for s in samplers:
         SAMPLERS[s.name] = s
 
 
-register(NoResidual(), AlwaysAccept(), UnprocessedQ())
+register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft())

@@ -1,8 +1,11 @@
 """The distribution-equivalence harness: do a real draft/target pair's speculative samples follow the target?
 
-Three modules: `stats` (the PIT, uniformity tests, Holm: pure functions), `harness`
-(sampling, scoring, the report: `run_equivalence`) and `plot`. The command line is
-`python -m minispec equivalence` (minispec.cli).
+Modules: `stats` (the PIT, uniformity tests, Holm: pure functions), `harness` (sampling,
+scoring, the report: `run_equivalence` for an engine it drives, `audit_samples` for samples
+drawn elsewhere), `samples` (the JSONL samples file), `engines` (transformers' sampling and
+assisted generation), `power` (the smallest bias a run would have caught) and `plot`. The
+command line is `python -m minispec equivalence` (minispec.cli); docs/equivalence.md is the
+user's guide.
 
 Method: the randomized probability integral transform (PIT; Smith 1985, Brockwell
 2007). Draw N speculative continuations of T tokens per prompt. For each sample and
@@ -39,7 +42,11 @@ for token, and that is what the harness checks there. Stop tokens are disabled
 during the test (stop_tokens=[]), so every sample has exactly T tokens.
 """
 
-from .harness import (DEFAULTS, MIN_SAMPLES, PROMPT_LOOKUP, EquivalenceInputError, EquivalenceReport,  # noqa: F401
-                      run_equivalence, target_pit)
+from .engines import ENGINES, exported  # noqa: F401
+from .harness import (DEFAULTS, EARLY_ALPHA, MIN_SAMPLES, PROMPT_LOOKUP, EquivalenceReport,  # noqa: F401
+                      audit_samples, run_equivalence, target_pit)
 from .plot import plot_report  # noqa: F401
-from .stats import ORDERS, TESTS, RunStats, Uniformity, analyse, chi2_bins, holm, pit, uniformity  # noqa: F401
+from .power import KINDS, Power, detectable_bias  # noqa: F401
+from .samples import EquivalenceInputError, SampleSet, SamplesFileError, read_samples  # noqa: F401
+from .stats import (ORDERS, TESTS, RunStats, Uniformity, analyse, chi2_bins, holm, pit, uniformity,  # noqa: F401
+                    uniformity_batch)

@@ -1,8 +1,11 @@
-"""The harness: draw speculative and target-only samples, score them under the target, and report.
+"""The harness: draw (or read) the samples under test, score them under the target, calibrate, report.
 
-`run_equivalence` is the entry point (validated once, in `_check_inputs`); the
-speculative samples and the target-only calibration run go through the same
-`target_pit` pass and the same tests (minispec.equivalence.stats).
+`run_equivalence` tests an engine it drives (minispec's speculate, or transformers:
+minispec.equivalence.engines), `audit_samples` samples drawn elsewhere (a samples file:
+minispec.equivalence.samples). Both end in `_verdict`: the samples under test, scored chunk by
+chunk as they are drawn (with early-stop looks), and the target-only calibration run go
+through the same `target_pit` pass and the same tests (minispec.equivalence.stats); the power
+figure (minispec.equivalence.power) comes from the tested rows.
 """
 
 from __future__ import annotations
@@ -10,15 +13,20 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import __version__
 from ..adaptive import AdaptiveK
 from ..drafters import PROMPT_LOOKUP
 from ..errors import check_compatible, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import get_sampler
+from .engines import ENGINES, TransformersEngine
+from .power import HEAD, RUNS, Power, detectable_bias, head_rows
+from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
 from .stats import ORDERS, RunStats, analyse, pit
 
 MIN_SAMPLES = 10
@@ -27,79 +35,141 @@ MIN_SAMPLES = 10
 # softmax ("unprocessed-q"; top-k more than doubles its effect on SmolLM2), and any draft that is
 # not the target is rejected often enough for "no-residual" and "always-accept" to show.
 DEFAULTS = dict(samples=2000, tokens=8, k=4, temperature=0.7, top_k=50, top_p=None, seed=0, sampler="exact",
-                alpha=0.01, bins=20, batch_size=256)
-TESTS = ("ks", "chi2")  # per position and pooled; Holm corrects over all of them
+                alpha=0.01, bins=20, batch_size=256, power_runs=RUNS)
+# Sequential early stop of a clear failure: after each batch of samples but the last (an interim look), the
+# samples so far are tested at EARLY_ALPHA * alpha / (number of interim looks); the final test runs at
+# (1 - EARLY_ALPHA) * alpha. By Bonferroni over the looks a correct sampler still fails with probability at
+# most alpha, a passing run loses almost nothing (alpha 0.0099 instead of 0.01), and a broken sampler whose
+# first batch already fails by a wide margin stops there instead of drawing every sample.
+EARLY_ALPHA = 0.01
 
 
 @dataclass
-class _Timed:
-    tokens: list[list[int]]  # per prompt: the samples of that prompt, each T ids; flattened prompt-major
-    seconds: float
-    drafted: int = 0
-    accepted: int = 0
-    committed: int = 0
-    sequence_rounds: int = 0
+class _Scored:
+    """Samples scored under the target as they were drawn: PIT values, head rows for the power, timings."""
+    pairs: list = field(default_factory=list)  # (prompt, tokens) in the order drawn
+    u: dict = field(default_factory=dict)  # order -> list of (b, T) arrays
+    head: list = field(default_factory=list)  # (p, f_id) per chunk
+    impossible: int = 0
+    sample_s: float = 0.0
+    pit_s: float = 0.0
+    looks: int = 0  # interim looks taken
+    stopped: bool = False  # an interim look already failed, so sampling stopped there
+
+    def u_all(self) -> dict:
+        return {o: np.concatenate(v, axis=0) for o, v in self.u.items()}
+
+    def head_all(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(np.concatenate([h[i] for h in self.head], axis=0) for i in (0, 1))
 
 
-def _sample(target, draft, prompts: list[list[int]], n: int, T: int, params: SamplingParams, k: int, sampler: str,
-            seed: int, batch_size: int, desc: str, progress: bool) -> _Timed:
-    """n samples of T tokens per prompt, in chunks of batch_size; sample g (prompt-major) uses seed + g.
+def _score(target, chunks, params: SamplingParams, rng: np.random.Generator, orders, bins: int, interim: int,
+           alpha_look: float, head: int) -> _Scored:
+    """Score the chunks (prompt, samples) as they are drawn (chunks is lazy: stopping stops the sampling). After
+    each of the first `interim` chunks, stop if the samples so far already fail at level alpha_look."""
+    out = _Scored(u={o: [] for o in orders})
+    it = iter(chunks)
+    while True:
+        t0 = time.perf_counter()
+        chunk = next(it, None)
+        t1 = time.perf_counter()
+        out.sample_s += t1 - t0
+        if chunk is None:
+            break
+        prompt, tokens = chunk
+        u, impossible, rows = target_pit(target, [prompt], tokens, params, rng, orders, head=head)
+        out.pairs += [(prompt, t) for t in tokens]
+        for o in orders:
+            out.u[o].append(u[o])
+        if rows is not None:
+            out.head.append(rows)
+        out.impossible += impossible
+        out.pit_s += time.perf_counter() - t1
+        if out.looks < interim:
+            out.looks += 1
+            if not analyse(out.u_all(), alpha_look, bins).passed:
+                out.stopped = True
+                break
+    if hasattr(it, "close"):
+        it.close()  # a generator stopped early: its progress bar closes
+    return out
 
-    draft None = target-only sampling (`generate`), the calibration reference.
-    progress: show a progress bar labelled `desc` on stderr (it is not part of the timing).
-    """
-    bar = _progress_bar(n * len(prompts), desc, progress)
-    out: list[list[int]] = []
-    res = _Timed(out, 0.0)
-    t0 = time.perf_counter()
-    for j, prompt in enumerate(prompts):
+
+def _chunked(counts: list[int], batch_size: int):
+    """(prompt index, first sample index of the chunk within the run, chunk size) over every prompt's samples."""
+    g = 0
+    for j, n in enumerate(counts):
         for start in range(0, n, batch_size):
             b = min(batch_size, n - start)
-            kw = dict(max_new_tokens=T, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                      seed=seed + j * n + start, stop_tokens=[])
-            if draft is None:
-                tokens = target.generate([prompt] * b, **kw)
-            else:
-                r = target.speculate(draft, [prompt] * b, k=k, sampler=sampler, **kw)
-                tokens, s = r.tokens, r.stats
-                res.drafted += s.drafted
-                res.accepted += s.accepted
-                res.committed += s.committed
-                res.sequence_rounds += s.sequence_rounds
-            for t in tokens:
-                if len(t) != T:
-                    raise RuntimeError(f"a sample has {len(t)} tokens, expected {T} (stop tokens are disabled): "
-                                       "the sampler ended a sequence early")
-            out.extend(tokens)
-            if bar is not None:
-                bar.update(b)
-    res.seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    return res
+            yield j, g, b
+            g += b
+
+
+def _minispec_chunks(target, draft, prompts, counts, T, params: SamplingParams, k, sampler, seed, batch_size,
+                     stats: dict, bar):
+    """Samples from minispec in chunks of batch_size: speculate(draft, ...), or generate when draft is None (the
+    target-only calibration). Sample g of the run (prompt-major) uses seed + g whatever the chunking."""
+    try:
+        yield from _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar):
+    for j, g, b in _chunked(counts, batch_size):
+        kw = dict(max_new_tokens=T, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                  seed=seed + g, stop_tokens=[])
+        if draft is None:
+            tokens = target.generate([prompts[j]] * b, **kw)
+        else:
+            r = target.speculate(draft, [prompts[j]] * b, k=k, sampler=sampler, **kw)
+            tokens = r.tokens
+            for name in ("drafted", "accepted", "committed", "sequence_rounds"):
+                stats[name] = stats.get(name, 0) + getattr(r.stats, name)
+        _check_lengths(tokens, T, "the sampler")
+        if bar is not None:
+            bar.update(b)
+        yield prompts[j], tokens
+
+
+def _check_lengths(tokens, T: int, who: str) -> None:
+    for t in tokens:
+        if len(t) != T:
+            raise RuntimeError(f"a sample has {len(t)} tokens, expected {T} (stop tokens are disabled): "
+                               f"{who} ended a sequence early")
+
+
+def _n_chunks(counts: list[int], batch_size: int) -> int:
+    return sum(-(-n // batch_size) for n in counts)
 
 
 def target_pit(target, prompts: list[list[int]], samples: list[list[int]], params: SamplingParams,
                rng: np.random.Generator, orders=ORDERS, max_logits_bytes: int = 1 << 26,
-               block_size: int = 16) -> tuple[dict[str, np.ndarray], int]:
-    """PIT values of samples (prompt-major, n per prompt) under the target: order -> (n_total, T);
-    also how many sampled tokens had target probability 0 (impossible under target-only sampling).
+               block_size: int = 16, counts: list[int] | None = None,
+               head: int = 0) -> tuple[dict[str, np.ndarray], int, tuple[np.ndarray, np.ndarray] | None]:
+    """PIT values of samples (prompt-major: counts[j] after prompts[j], n each by default) under the target:
+    order -> (n_total, T); how many sampled tokens had target probability 0 (impossible under target-only
+    sampling); and with head > 0 each row's `head` most likely tokens for the power simulation
+    (power.head_rows: (n_total, T, head) probabilities and F_id), else None.
     Every order uses the same uniforms U.
 
-    One batched target pass over every sample: the prompt (all but its last token) is prefilled once
+    One batched target pass per prompt: the prompt (all but its last token) is prefilled once
     into a paged cache and forked to every sample, then `step(..., all_logits=True)` runs
     [last prompt token, x_1 .. x_{T-1}] and returns the T distributions p_1..p_T in one call.
     The pass only appends, never rolls back, so a rollback bug in the sampler under test cannot
     reach the reference. Chunked so the logits stay under max_logits_bytes.
     """
-    n = len(samples) // len(prompts)
+    if counts is None:
+        counts = [len(samples) // len(prompts)] * len(prompts)
     T = len(samples[0])
     V = target.config.vocab_size
     chunk = max(1, max_logits_bytes // (T * V * 4))
-    us, impossible = {o: [] for o in orders}, 0
+    us, impossible, heads = {o: [] for o in orders}, 0, []
+    offsets = np.cumsum([0] + list(counts))
     for j, prompt in enumerate(prompts):
-        P = len(prompt)
-        x = torch.tensor(samples[j * n:(j + 1) * n], dtype=torch.long)  # (n, T)
+        P, n = len(prompt), counts[j]
+        x = torch.tensor(samples[offsets[j]:offsets[j + 1]], dtype=torch.long)  # (n, T)
         fed = torch.cat([torch.tensor(prompt[-1:], dtype=torch.long).expand(n, 1), x[:, :-1]], dim=1)  # (n, T)
         per_seq = -(-(P + T) // block_size) + 1  # a forked partial prompt block is copied on write
         shared = -(-(P - 1) // block_size)
@@ -118,8 +188,11 @@ def target_pit(target, prompts: list[list[int]], samples: list[list[int]], param
             U = torch.from_numpy(rng.random(tuple(xs.shape)))  # (b, T)
             for o in orders:
                 us[o].append(pit(probs, xs, U, o).numpy())
+            if head:
+                heads.append(head_rows(probs, head))
         cache.free(parent)
-    return {o: np.concatenate(v, axis=0) for o, v in us.items()}, impossible
+    rows = tuple(np.concatenate([h[i] for h in heads], axis=0) for i in (0, 1)) if head else None
+    return {o: np.concatenate(v, axis=0) for o, v in us.items()}, impossible, rows
 
 
 # ---------------------------------------------------------------------------
@@ -130,84 +203,122 @@ def target_pit(target, prompts: list[list[int]], samples: list[list[int]], param
 class EquivalenceReport:
     settings: dict
     mode: str  # "pit" (temperature > 0) or "greedy" (token-for-token equality with target greedy)
-    passed: bool  # the verdict on the speculative sampler
-    speculative: RunStats | None = None
+    passed: bool  # the verdict on the samples under test
+    speculative: RunStats | None = None  # the samples under test (speculative, or the engine's)
     reference: RunStats | None = None  # target-only calibration; None when skipped or greedy
-    u: dict | None = None  # token order -> (n_total, T) speculative PIT values (for plots)
+    u: dict | None = None  # token order -> (n_total, T) PIT values of the samples under test (for plots)
     u_reference: dict | None = None
-    impossible: int = 0  # speculative tokens to which the target gives probability 0
+    impossible: int = 0  # tested tokens to which the target gives probability 0
     impossible_reference: int = 0
+    power: Power | None = None  # what this run could have detected (None: not computed)
+    head: tuple | None = None  # the tested rows' head probabilities and F_id (power.head_rows) the power used
+    sequential: dict = field(default_factory=dict)  # the early-stop looks: count, level, whether one stopped the run
     speed: dict = field(default_factory=dict)
-    speculation: dict = field(default_factory=dict)  # acceptance figures of the speculative run
+    speculation: dict = field(default_factory=dict)  # acceptance figures of a minispec speculative run
     greedy_mismatches: list = field(default_factory=list)  # greedy mode: (prompt index, first differing position)
     notes: list[str] = field(default_factory=list)
+    samples: SampleSet | None = None  # what was tested (for --save-samples)
 
     @property
     def calibrated(self) -> bool | None:
         """Did the target-only reference pass (None: not run)? A failing reference means the harness is off."""
         return None if self.reference is None else self.reference.passed
 
+    @property
+    def verdict(self) -> str:
+        """"passed; would have caught a bias of TV >= x ..." or "failed" (with the power figure when computed)."""
+        word = "passed" if self.passed else "failed"
+        if self.power is None:
+            return word
+        return f"{word}; {self.power.phrase()}"
+
     def to_dict(self) -> dict:
-        d = {"passed": self.passed, "mode": self.mode, "calibrated": self.calibrated, "settings": self.settings,
-             "speed": self.speed, "speculation": self.speculation, "notes": self.notes}
+        d = {"passed": self.passed, "verdict": self.verdict, "mode": self.mode, "calibrated": self.calibrated,
+             "settings": self.settings, "speed": self.speed, "speculation": self.speculation, "notes": self.notes}
         if self.mode == "pit":
             d["speculative"] = self.speculative.to_dict()
             d["reference"] = None if self.reference is None else self.reference.to_dict()
             d["impossible_tokens"] = {"speculative": self.impossible, "reference": self.impossible_reference}
+            d["power"] = None if self.power is None else self.power.to_dict()
+            d["sequential"] = self.sequential
         else:
             d["greedy_mismatches"] = [{"prompt": j, "position": i + 1} for j, i in self.greedy_mismatches]
         return d
 
     def format(self) -> str:
-        """A readable report: settings, the per-position table (speculative beside target-only), verdict, speed."""
+        """A readable report: settings, the per-position table (tested beside target-only), verdict, speed."""
         s = self.settings
-        lines = [f"equivalence: speculative (sampler={s['sampler']}, draft={s['draft']}, k={s['k']}) against "
-                 f"target {s['target']}",
-                 f"  {1 if self.mode == 'greedy' else s['samples']} sample(s) x {s['tokens']} tokens per prompt, "
-                 f"{s['prompts']} prompt(s); temperature={s['temperature']}, top_k={s['top_k']}, top_p={s['top_p']}, "
-                 f"seed={s['seed']}",
+        per_prompt = f"{s['samples']} per prompt" if s.get("samples") else "per prompt as in the file"
+        lines = [f"equivalence: {s['under_test']} against target {s['target']}",
+                 f"  {s['samples_total']} sample(s) ({per_prompt}) x {s['tokens']} tokens, {s['prompts']} prompt(s); "
+                 f"temperature={s['temperature']}, top_k={s['top_k']}, top_p={s['top_p']}, seed={s['seed']}",
                  f"  stop tokens disabled during the test: every sample has exactly {s['tokens']} tokens"]
         if self.mode == "greedy":
             lines.append("  temperature 0: the PIT is degenerate (p is one-hot), so the check is token-for-token "
-                         "equality with target greedy decoding, one sample per prompt")
+                         "equality with target greedy decoding")
             if self.passed:
-                lines.append(f"verdict: PASSED: speculative greedy tokens equal target greedy tokens for all "
+                lines.append(f"verdict: PASSED: the greedy tokens equal target greedy tokens for all "
                              f"{s['prompts']} prompt(s)")
             else:
                 where = ", ".join(f"prompt {j} from position {i + 1}" for j, i in self.greedy_mismatches)
-                lines.append(f"verdict: FAILED: speculative greedy tokens differ from target greedy ({where})")
+                lines.append(f"verdict: FAILED: the greedy tokens differ from target greedy ({where})")
         else:
-            orders = " and ".join({"id": "token-id order", "prob": "descending-probability order"}[o]
-                                  for o in s["token_orders"])
-            lines.append(f"  randomized PIT u = F(x-) + U p(x) in {orders}; per position and pooled ('all'): "
-                         f"KS and chi-square ({self.speculative.tests[s['token_orders'][0]][-1].bins} bins); "
-                         f"p_holm: Holm-adjusted over {self.speculative.n_tests} tests")
-            lines += ["", self._table(), ""]
-            lines.append(f"verdict: {'PASSED' if self.passed else 'FAILED'} at alpha={s['alpha']} "
-                         f"(smallest Holm-adjusted p = {self.speculative.min_adjusted:.3g}, "
-                         f"smallest raw p = {self.speculative.min_raw:.3g})")
-            if self.impossible:
-                lines.append(f"  {self.impossible} sampled tokens have target probability 0 (outside top-k/top-p): "
-                             "impossible under target-only sampling, short of a rounding near-tie at the cut")
-            if self.reference is not None:
-                cal = "PASSED" if self.reference.passed else "FAILED: the harness itself is off; do not trust the verdict"
-                lines.append(f"calibration (target-only samples, same settings and seeds): {cal} "
-                             f"(smallest Holm-adjusted p = {self.reference.min_adjusted:.3g}, "
-                             f"smallest raw p = {self.reference.min_raw:.3g})")
+            lines += self._pit_lines()
         sp = self.speculation
         if sp:
             lines.append(f"speculation: acceptance rate {sp['acceptance_rate']:.3f}, "
                          f"{sp['mean_accepted']:.2f} tokens per round per sequence")
-        v = self.speed
-        parts = [f"speculative {v['speculative_samples_per_s']:.1f} samples/s ({v['speculative_s']:.1f} s)"]
+        lines.append(self._speed_line())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _pit_lines(self) -> list[str]:
+        s = self.settings
+        orders = " and ".join({"id": "token-id order", "prob": "descending-probability order"}[o]
+                              for o in s["token_orders"])
+        lines = [f"  randomized PIT u = F(x-) + U p(x) in {orders}; per position and pooled ('all'): "
+                 f"KS and chi-square ({self.speculative.tests[s['token_orders'][0]][-1].bins} bins); "
+                 f"p_holm: Holm-adjusted over {self.speculative.n_tests} tests"]
+        lines += ["", self._table(), ""]
+        q = self.sequential
+        level = f"alpha={self.speculative.alpha:.3g}"
+        if q.get("interim_looks"):
+            level += f" (of {s['alpha']}: {q['interim_alpha']:.2g} spent on each of {q['interim_looks']} early looks)"
+        lines.append(f"verdict: {self.verdict.replace('passed', 'PASSED', 1).replace('failed', 'FAILED', 1)}")
+        lines.append(f"  at {level}: smallest Holm-adjusted p = {self.speculative.min_adjusted:.3g}, "
+                     f"smallest raw p = {self.speculative.min_raw:.3g}")
+        if self.power is not None:
+            pw = self.power
+            lines.append(f"  power: bias p_eps = (1 - eps) p + eps r at every position; smallest eps rejected in "
+                         f"{pw.power:.0%} of {pw.runs} simulated runs of this size: "
+                         + ", ".join(f"{k} eps {v['eps']:.3g} (TV {v['tv']:.3g})" if v["eps"] is not None
+                                     else f"{k} not reached" for k, v in pw.kinds.items()))
+        if q.get("stopped_early"):
+            lines.append(f"  stopped early: the first {q['samples_tested']} samples already failed at an early look "
+                         "(a clear failure; the rest were not drawn)")
+        if self.impossible:
+            lines.append(f"  {self.impossible} sampled tokens have target probability 0 (outside top-k/top-p): "
+                         "impossible under target-only sampling, short of a rounding near-tie at the cut")
+        if self.reference is not None:
+            cal = "PASSED" if self.reference.passed else "FAILED: the harness itself is off; do not trust the verdict"
+            lines.append(f"calibration (target-only samples, same settings, prompts and counts): {cal} "
+                         f"(smallest Holm-adjusted p = {self.reference.min_adjusted:.3g}, "
+                         f"smallest raw p = {self.reference.min_raw:.3g})")
+        return lines
+
+    def _speed_line(self) -> str:
+        v, s = self.speed, self.settings
+        parts = []
+        if "speculative_samples_per_s" in v:
+            parts.append(f"{s['engine']} {v['speculative_samples_per_s']:.1f} samples/s ({v['speculative_s']:.1f} s)")
         if "reference_samples_per_s" in v:
             parts.append(f"target-only {v['reference_samples_per_s']:.1f} samples/s ({v['reference_s']:.1f} s)")
         if "pit_s" in v:
             parts.append(f"target PIT passes {v['pit_s']:.1f} s")
-        lines.append("speed: " + "; ".join(parts) + f"; total {v['total_s']:.1f} s "
-                     f"({s['torch_threads']} torch thread(s))")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        if "power_s" in v:
+            parts.append(f"power simulation {v['power_s']:.1f} s")
+        return ("speed: " + "; ".join(parts) + f"; total {v['total_s']:.1f} s "
+                f"({s['torch_threads']} torch thread(s))")
 
     def _table(self) -> str:
         runs = [self.speculative] + ([self.reference] if self.reference is not None else [])
@@ -229,40 +340,58 @@ class EquivalenceReport:
         return "\n".join(out)
 
 
-class EquivalenceInputError(ValueError):
-    """Bad input to the harness, found before any sampling (the command line exits with status 2 on it)."""
-
+# ---------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------
 
 def _check_int(name: str, v, lo: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise EquivalenceInputError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
-def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, seed, sampler, alpha, bins,
-                  orders, batch_size):
-    """Validate everything before any sampling; returns (SamplingParams, prompt batch, orders)."""
+def _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs) -> tuple:
+    """The settings of the test itself (not of the sampling); returns the orders as a tuple."""
+    _check_int("seed", seed, 0)
+    _check_int("bins", bins, 2)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("power_runs", power_runs, 0)
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
+        raise EquivalenceInputError(f"alpha must be in (0, 1), got {alpha!r}")
+    orders = tuple(orders)
+    if not orders or any(o not in ORDERS for o in orders) or len(set(orders)) != len(orders):
+        raise EquivalenceInputError(f"orders must be a non-empty selection of {', '.join(ORDERS)}; got {orders!r}")
+    return orders
+
+
+def _check_draft(target, draft, engine: str, hf_dirs: dict | None) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if engine != "minispec":
+        need = ["target"] + (["draft"] if engine == "transformers-assisted" else [])
+        if not hf_dirs or any(not hf_dirs.get(n) for n in need):
+            raise ValueError(f"engine {engine!r} loads the pair with transformers: give hf_dirs with "
+                             f"{' and '.join(repr(n) for n in need)} (Hugging Face directories; engines.exported "
+                             "makes them from minispec checkpoints)")
+        return
+    if isinstance(draft, str):
+        if draft != PROMPT_LOOKUP:
+            raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {draft!r}")
+    else:
+        if not (hasattr(draft, "step") and hasattr(draft, "config")):
+            raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {type(draft).__name__}")
+        check_compatible(target, draft)  # vocab size and tokenizer fingerprint
+
+
+def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler, engine, hf_dirs):
+    """Validate the sampling side before any sampling; returns (SamplingParams, prompt batch)."""
     try:
         get_sampler(sampler)
         _check_int("samples", samples, MIN_SAMPLES)
         _check_int("tokens", tokens, 1)
         if k != "auto" and not isinstance(k, AdaptiveK):
             _check_int("k", k, 1)
-        _check_int("seed", seed, 0)
-        _check_int("bins", bins, 2)
-        _check_int("batch_size", batch_size, 1)
-        if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
-            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        orders = tuple(orders)
-        if not orders or any(o not in ORDERS for o in orders) or len(set(orders)) != len(orders):
-            raise ValueError(f"orders must be a non-empty selection of {', '.join(ORDERS)}; got {orders!r}")
         params = SamplingParams(temperature, top_k, top_p)
-        if isinstance(draft, str):
-            if draft != PROMPT_LOOKUP:
-                raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {draft!r}")
-        else:
-            if not (hasattr(draft, "step") and hasattr(draft, "config")):
-                raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {type(draft).__name__}")
-            check_compatible(target, draft)  # vocab size and tokenizer fingerprint
+        _check_draft(target, draft, engine, hf_dirs)
         batch, _ = normalize_prompts(target, prompts)
         for j, p in enumerate(batch):
             if len(p) + tokens > target.config.max_seq_len:
@@ -270,103 +399,211 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
                                  f"max_seq_len={target.config.max_seq_len}; use a shorter prompt or fewer tokens")
     except ValueError as e:  # SamplingParams, normalize_prompts, check_compatible: already say what to do
         raise EquivalenceInputError(str(e)) from None
-    return params, batch, orders
+    return params, batch
 
+
+# ---------------------------------------------------------------------------
+# the harness
+# ---------------------------------------------------------------------------
 
 def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], tokens: int = DEFAULTS["tokens"],
                     k: "int | str | AdaptiveK" = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
                     top_k: int | None = DEFAULTS["top_k"], top_p: float | None = DEFAULTS["top_p"], seed: int = 0,
                     sampler: str = "exact", alpha: float = DEFAULTS["alpha"], bins: int = DEFAULTS["bins"],
                     orders=ORDERS, reference: bool = True, batch_size: int = DEFAULTS["batch_size"],
-                    progress: bool = False, names: dict | None = None) -> EquivalenceReport:
-    """Test that target.speculate(draft, ...) samples from the target's distribution.
+                    progress: bool = False, names: dict | None = None, engine: str = "minispec",
+                    hf_dirs: dict | None = None, power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
+    """Test that an engine's speculative (or plain) samples follow the target's distribution.
 
-    target: a Transformer; draft: a Transformer sharing its tokenizer and vocabulary, or "prompt-lookup".
+    target: a Transformer (it scores every sample); draft: a Transformer sharing its tokenizer and vocabulary,
+    or "prompt-lookup" (engine "minispec"; unused by the transformers engines).
     prompts: token ids, one prompt (list[int]) or several (list[list[int]]); `samples` continuations
     of `tokens` tokens are drawn per prompt, sample g (prompt-major) with the generator seeded seed + g.
-    temperature, top_k, top_p, k, sampler: passed to speculate (k an integer, "auto" or an AdaptiveK;
-    sampler "exact" or a broken negative control).
+    temperature, top_k, top_p, k, sampler: the sampling settings (k an integer, "auto" or an AdaptiveK;
+    sampler "exact" or a broken negative control of minispec.controls).
+    engine: "minispec" (target.speculate), "transformers" (plain transformers sampling) or
+    "transformers-assisted" (transformers' assisted generation); the transformers engines load the pair from
+    hf_dirs {"target": DIR, "draft": DIR} (Hugging Face directories: see engines.exported).
     alpha: the significance level of the verdict (Holm-corrected); bins: chi-square histogram bins;
     orders: the token orders the PIT runs in ("id", "prob"; all their tests join one Holm family).
     reference: also test target-only samples (the calibration reference).
-    batch_size: samples per speculate/generate call. names: labels for target/draft in the report.
+    batch_size: samples per sampling call, and per early-stop look. power_runs: simulated runs per eps for the
+    power figure (0: no power figure). names: labels for target/draft in the report.
     Temperature 0 checks token-for-token equality with target greedy decoding instead of the PIT.
     Raises EquivalenceInputError (a ValueError) on bad input, before any sampling.
     """
-    params, batch, orders = _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p,
-                                          seed, sampler, alpha, bins, orders, batch_size)
+    params, batch = _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler,
+                                  engine, hf_dirs)
+    orders = _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs)
     names = names or {}
-    settings = {"target": names.get("target", "(model)"),
-                "draft": names.get("draft", draft if isinstance(draft, str) else "(model)"),
-                "prompts": len(batch), "prompt_lengths": [len(p) for p in batch], "samples": samples,
-                "tokens": tokens, "k": k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})",
-                "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-                "sampler": sampler, "alpha": alpha, "bins": bins, "correction": "holm", "stop_tokens": "disabled",
-                "token_orders": list(orders), "batch_size": batch_size, "torch_threads": torch.get_num_threads()}
-    notes = ["timings are wall-clock and include whatever else the machine runs; on a shared, loaded machine "
-             "they understate the speed"]
-    if sampler == "unprocessed-q" and params.temperature == 1 and top_k is None and top_p is None:
+    settings = {"target": names.get("target", "(model)"), "engine": engine, "seed": seed}
+    file_settings = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                     "new_tokens": tokens}
+    notes = []
+    counts = [1 if params.greedy else samples] * len(batch)
+    stats: dict = {}
+    bar = _progress_bar(sum(counts), "speculative" if engine == "minispec" else engine, progress and not params.greedy)
+    if engine == "minispec":
+        draft_name = names.get("draft", draft if isinstance(draft, str) else "(model)")
+        k_name = k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
+        settings.update(engine_version=__version__, draft=draft_name, k=k_name, sampler=sampler,
+                        under_test=f"speculative (sampler={sampler}, draft={draft_name}, k={k_name})")
+        file_settings.update(sampler=sampler, draft=draft_name, k=k_name, seed=seed)
+        notes += _control_notes(sampler, draft, params)
+        chunks = _minispec_chunks(target, draft, batch, counts, tokens, params, k, sampler, seed, batch_size, stats,
+                                  bar)
+    else:
+        eng = TransformersEngine(engine, hf_dirs, target, batch[0], params, tokens, k)
+        assisted = eng.info.get("assistant")
+        how = (f"assisted generation, assistant {names.get('draft', hf_dirs['draft'])}, num_assistant_tokens="
+               f"{assisted['num_assistant_tokens']}" if assisted else "sampling")
+        settings.update(eng.info, draft=names.get("draft", hf_dirs.get("draft")) if assisted else None,
+                        k=k if assisted else None, sampler=None,
+                        under_test=f"transformers {eng.info['engine_version']} {how}")
+        file_settings.update(seed=seed, **({"assistant": assisted} if assisted else {}))
+        chunks = eng.chunks(batch, counts, seed, batch_size, bar)
+    t_start = time.perf_counter()
+    report = _verdict(target, chunks, batch, counts, params, tokens, settings, file_settings, notes, seed, alpha,
+                      bins, orders, reference, batch_size, progress, power_runs, interim=True, t_start=t_start)
+    if stats.get("drafted") is not None:
+        d = stats["drafted"]
+        report.speculation = {"acceptance_rate": stats["accepted"] / d if d else 0.0,
+                              "mean_accepted": stats["committed"] / stats["sequence_rounds"]
+                              if stats["sequence_rounds"] else 0.0, "drafted": d, "accepted": stats["accepted"]}
+        if d == 0:
+            report.notes.append("the drafter proposed no tokens, so no draft was ever verified: the test says "
+                                "nothing about the acceptance rule (prompt lookup needs repeated n-grams in the "
+                                "context)")
+    return report
+
+
+def audit_samples(target, samples: "SampleSet | str | Path", seed: int = 0, alpha: float = DEFAULTS["alpha"],
+                  bins: int = DEFAULTS["bins"], orders=ORDERS, reference: bool = True,
+                  batch_size: int = DEFAULTS["batch_size"], progress: bool = False, names: dict | None = None,
+                  power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
+    """Test samples drawn by any engine (vLLM, SGLang, llama.cpp, ...) against minispec's target.
+
+    samples: a samples file (JSONL: see minispec.equivalence.samples) or a SampleSet. The PIT runs on the
+    target with one batched pass per distinct prompt, in both token orders with Holm's correction, and the
+    target-only calibration draws the same counts after the same prompts with the file's settings (seed:
+    its generators, as in run_equivalence). Raises EquivalenceInputError (SamplesFileError for the file) on
+    a sample the target cannot score, before any scoring.
+    """
+    orders = _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs)
+    cfg = target.config
+    if isinstance(samples, SampleSet):
+        validate(samples, cfg.vocab_size, cfg.max_seq_len, MIN_SAMPLES)
+    else:
+        samples = read_samples(samples, cfg.vocab_size, cfg.max_seq_len, MIN_SAMPLES)
+    s = samples.settings
+    names = names or {}
+    version = s["engine_version"]
+    extra = {k: v for k, v in s.items() if k not in SETTINGS_KEYS}
+    settings = {"target": names.get("target", "(model)"), "engine": s["engine"], "engine_version": version,
+                "source": samples.source, "engine_settings": extra, "seed": seed, "draft": None, "k": None,
+                "sampler": None,
+                "under_test": f"samples from {s['engine']}{' ' + version if version else ''} ({samples.source})"}
+    params = samples.params
+    t_start = time.perf_counter()
+    offsets = np.cumsum([0] + samples.counts)
+    chunks = ((p, samples.tokens[offsets[j]:offsets[j + 1]]) for j, p in enumerate(samples.prompts))
+    return _verdict(target, chunks, samples.prompts, samples.counts, params, samples.new_tokens, settings, s, [],
+                    seed, alpha, bins, orders, reference, batch_size, progress, power_runs, interim=False,
+                    t_start=t_start)
+
+
+def _control_notes(sampler: str, draft, params: SamplingParams) -> list[str]:
+    """Settings under which a negative control cannot show (the test then says nothing about it)."""
+    notes = []
+    if sampler == "unprocessed-q" and params.temperature == 1 and params.top_k is None and params.top_p is None:
         notes.append("unprocessed-q has no effect here: at temperature 1 without top-k/top-p the processed q "
                      "is the raw softmax")
-    if sampler == "unprocessed-q" and isinstance(draft, str):
-        notes.append("unprocessed-q has no effect with prompt-lookup: its q is one-hot whatever the settings")
-    t_start = time.perf_counter()
+    if sampler in ("unprocessed-q", "greedy-draft") and isinstance(draft, str):
+        notes.append(f"{sampler} has no effect with prompt-lookup: its q is one-hot whatever the settings")
+    return notes
 
+
+def _verdict(target, chunks, prompts, counts, params: SamplingParams, T: int, settings: dict, file_settings: dict,
+             notes: list, seed, alpha, bins, orders, reference, batch_size, progress, power_runs, interim: bool,
+             t_start: float) -> EquivalenceReport:
+    """Score the samples under test (drawn lazily by `chunks`, with early-stop looks when `interim`: the samples
+    are drawn here), run the calibration and the power simulation."""
+    settings.update(prompts=len(prompts), prompt_lengths=[len(p) for p in prompts],
+                    samples=counts[0] if len(set(counts)) == 1 else None, samples_total=sum(counts), tokens=T,
+                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, alpha=alpha, bins=bins,
+                    correction="holm", stop_tokens="disabled", token_orders=list(orders), batch_size=batch_size,
+                    torch_threads=torch.get_num_threads())
+    settings.setdefault("engine_version", None)
+    notes.append("timings are wall-clock and include whatever else the machine runs; on a shared, loaded machine "
+                 "they understate the speed")
     if params.greedy:
-        return _greedy(target, draft, batch, tokens, k, sampler, settings, notes, t_start)
-
-    n_total = samples * len(batch)
-    spec = _sample(target, draft, batch, samples, tokens, params, k, sampler, seed, batch_size, "speculative", progress)
-    t0 = time.perf_counter()
-    # the PIT's own uniforms: a stream of their own, independent of every sampling generator
-    u, impossible = target_pit(target, batch, spec.tokens, params, np.random.default_rng([seed, 1]), orders)
-    pit_s = time.perf_counter() - t0
-    report = EquivalenceReport(settings, "pit", False, analyse(u, alpha, bins, "speculative"), u=u,
-                               impossible=impossible, notes=notes)
-    report.speculation = {"acceptance_rate": spec.accepted / spec.drafted if spec.drafted else 0.0,
-                          "mean_accepted": spec.committed / spec.sequence_rounds if spec.sequence_rounds else 0.0,
-                          "drafted": spec.drafted, "accepted": spec.accepted}
-    report.speed = {"speculative_s": spec.seconds, "speculative_samples_per_s": n_total / spec.seconds,
-                    "speculative_tokens_per_s": n_total * tokens / spec.seconds}
-    if spec.drafted == 0:
-        notes.append("the drafter proposed no tokens, so no draft was ever verified: the test says nothing about "
-                     "the acceptance rule (prompt lookup needs repeated n-grams in the context)")
+        return _greedy(target, chunks, prompts, T, settings, file_settings, notes, t_start)
+    looks = _n_chunks(counts, batch_size) - 1 if interim else 0
+    a_look = EARLY_ALPHA * alpha / looks if looks else 0.0
+    a_final = alpha - a_look * looks
+    tested = _score(target, chunks, params, np.random.default_rng([seed, 1]), orders, bins, looks, a_look,
+                    HEAD if power_runs else 0)
+    drawn = _drawn(settings, file_settings, tested.pairs)
+    u = tested.u_all()
+    label = "speculative" if settings["engine"] == "minispec" else settings["engine"]
+    report = EquivalenceReport(settings, "pit", False, analyse(u, a_look if tested.stopped else a_final, bins, label),
+                               u=u, impossible=tested.impossible, notes=notes, samples=drawn)
+    report.sequential = {"interim_looks": looks, "interim_alpha": a_look, "final_alpha": a_final,
+                         "looks_taken": tested.looks, "stopped_early": tested.stopped,
+                         "samples_tested": len(tested.pairs)}
+    n = len(tested.pairs)
+    if interim:  # drawn here (a file's samples were drawn elsewhere)
+        report.speed = {"speculative_s": tested.sample_s, "speculative_samples_per_s": n / tested.sample_s,
+                        "speculative_tokens_per_s": n * T / tested.sample_s}
+    pit_s = tested.pit_s
     if reference:
-        ref = _sample(target, None, batch, samples, tokens, params, k, sampler, seed, batch_size, "target-only",
-                      progress)
-        t0 = time.perf_counter()
-        u_ref, imp_ref = target_pit(target, batch, ref.tokens, params, np.random.default_rng([seed, 2]), orders)
-        pit_s += time.perf_counter() - t0
-        report.reference = analyse(u_ref, alpha, bins, "target-only (calibration)")
-        report.u_reference, report.impossible_reference = u_ref, imp_ref
-        report.speed.update(reference_s=ref.seconds, reference_samples_per_s=n_total / ref.seconds)
+        ref = _score(target, _minispec_chunks(target, None, drawn.prompts, drawn.counts, T, params, None, None, seed,
+                                              batch_size, {}, _progress_bar(n, "target-only", progress)),
+                     params, np.random.default_rng([seed, 2]), orders, bins, 0, 0.0, 0)
+        pit_s += ref.pit_s
+        report.reference = analyse(ref.u_all(), report.speculative.alpha, bins, "target-only (calibration)")
+        report.u_reference, report.impossible_reference = ref.u_all(), ref.impossible
+        report.speed.update(reference_s=ref.sample_s, reference_samples_per_s=n / ref.sample_s)
+    if power_runs:
+        report.head = p_head, f_id = tested.head_all()
+        report.power = detectable_bias(p_head, f_id, report.speculative.alpha, bins, orders, runs=power_runs, seed=seed)
+        report.speed["power_s"] = report.power.seconds
     report.passed = report.speculative.passed
     report.speed.update(pit_s=pit_s, total_s=time.perf_counter() - t_start)
     return report
 
 
-def _greedy(target, draft, batch, tokens, k, sampler, settings, notes, t_start) -> EquivalenceReport:
-    """Temperature 0: speculative greedy must equal target greedy, token for token (one sample per prompt)."""
-    kw = dict(max_new_tokens=tokens, temperature=0.0, stop_tokens=[])
+def _greedy(target, chunks, prompts, T: int, settings, file_settings, notes, t_start) -> EquivalenceReport:
+    """Temperature 0: every sample must equal target greedy decoding after its prompt, token for token."""
     t0 = time.perf_counter()
-    res = target.speculate(draft, batch, k=k, sampler=sampler, **kw)
-    spec_s = time.perf_counter() - t0
+    pairs = [(p, t) for p, tokens in chunks for t in tokens]
+    sample_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    ref = target.generate(batch, **kw)
+    ref = target.generate(prompts, max_new_tokens=T, temperature=0.0, stop_tokens=[])
     ref_s = time.perf_counter() - t1
-    mismatches = []
-    for j, (a, b) in enumerate(zip(res.tokens, ref)):
-        if a != b:
-            mismatches.append((j, next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))))
-    notes.append("temperature 0: one sample per prompt (greedy decoding is deterministic); --samples is not used")
-    s = res.stats
-    report = EquivalenceReport(settings, "greedy", not mismatches, greedy_mismatches=mismatches, notes=notes)
-    report.speculation = {"acceptance_rate": s.acceptance_rate, "mean_accepted": s.mean_accepted,
-                          "drafted": s.drafted, "accepted": s.accepted}
-    report.speed = {"speculative_s": spec_s, "speculative_samples_per_s": len(batch) / spec_s,
-                    "reference_s": ref_s, "reference_samples_per_s": len(batch) / ref_s,
+    index = {tuple(p): j for j, p in enumerate(prompts)}
+    mismatches = {}
+    for p, t in pairs:
+        j = index[tuple(p)]
+        if t != ref[j] and j not in mismatches:
+            mismatches[j] = next((i for i, (x, y) in enumerate(zip(t, ref[j])) if x != y), min(len(t), len(ref[j])))
+    notes.append("temperature 0: greedy decoding is deterministic, so one sample per prompt is drawn (a file's "
+                 "samples are each compared); --samples is not used")
+    drawn = _drawn(settings, file_settings, pairs)
+    report = EquivalenceReport(settings, "greedy", not mismatches, greedy_mismatches=sorted(mismatches.items()),
+                               notes=notes, samples=drawn)
+    report.speed = {"reference_s": ref_s, "reference_samples_per_s": len(prompts) / ref_s,
                     "total_s": time.perf_counter() - t_start}
+    if "source" not in settings:  # drawn here
+        report.speed.update(speculative_s=sample_s, speculative_samples_per_s=len(pairs) / sample_s)
     return report
+
+
+def _drawn(settings: dict, file_settings: dict, pairs) -> SampleSet:
+    """What was tested, as the samples file --save-samples writes."""
+    head = {**file_settings, "engine": settings["engine"], "engine_version": settings["engine_version"]}
+    head = {**{k: head[k] for k in SETTINGS_KEYS}, **{k: v for k, v in head.items() if k not in SETTINGS_KEYS}}
+    return group(head, pairs, settings.get("source", settings["engine"]))
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):

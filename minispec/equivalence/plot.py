@@ -11,8 +11,9 @@ from .stats import chi2_bins
 
 
 def plot_report(report: EquivalenceReport, path) -> None:
-    """PNG of the u histograms per position and pooled (one row of panels per token order), speculative
-    against target-only, over the band a uniform histogram stays in with probability 1 - alpha per bin."""
+    """PNG of the u histograms per position and pooled (one row of panels per token order), the samples under
+    test against target-only, over the band a uniform histogram stays in with probability 1 - alpha per bin;
+    the title gives the verdict and the power figure ("would have caught a bias of TV >= x")."""
     if report.mode != "pit":
         raise ValueError("plots need the PIT (temperature > 0); a greedy run has no u's to plot")
     try:
@@ -44,7 +45,7 @@ def plot_report(report: EquivalenceReport, path) -> None:
             lo, hi = stats.binom.ppf([alpha / 2, 1 - alpha / 2], us.size, 1 / b)
             ax.axhspan(lo, hi, color="0.85", label=f"uniform, {1 - alpha:.0%} per bin")
             ax.axhline(us.size / b, color="0.4", lw=0.8)
-            ax.hist(us, bins=edges, histtype="step", lw=1.5, color="C3", label="speculative")
+            ax.hist(us, bins=edges, histtype="step", lw=1.5, color="C3", label=report.speculative.label)
             if ur is not None:
                 ax.hist(ur[:, i] if i < T else ur.ravel(), bins=edges, histtype="step", lw=1.0, color="C0",
                         label="target-only")
@@ -52,9 +53,10 @@ def plot_report(report: EquivalenceReport, path) -> None:
             ax.set_xlim(0, 1)
             ax.tick_params(labelsize=7)
     axes[0, 0].legend(fontsize=6)
-    fig.suptitle(f"PIT u histograms: sampler={s['sampler']}, temperature={s['temperature']}, top_k={s['top_k']}, "
-                 f"top_p={s['top_p']}, {s['samples']} samples x {s['prompts']} prompt(s): "
-                 f"{'PASSED' if report.passed else 'FAILED'}", fontsize=9)
-    fig.tight_layout()
+    power = "" if report.power is None else "\n" + report.power.phrase()
+    fig.suptitle(f"PIT u histograms: {s['under_test']}, temperature={s['temperature']}, top_k={s['top_k']}, "
+                 f"top_p={s['top_p']}, {s['samples_total']} samples over {s['prompts']} prompt(s): "
+                 f"{'PASSED' if report.passed else 'FAILED'}{power}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))  # room for the two-line title
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -66,18 +66,47 @@ def chi2_bins(n: int, bins: int) -> int:
     return max(2, min(bins, n // 5))
 
 
-def uniformity(u, bins: int = 20) -> Uniformity:
-    """KS and histogram chi-square tests of u (1-D, values in [0, 1]) against Uniform(0, 1)."""
+def ks_statistic(u: np.ndarray) -> np.ndarray:
+    """Kolmogorov-Smirnov D of each set of u's over the last axis (..., n) against Uniform(0, 1): the largest gap
+    between the empirical CDF and the diagonal (as scipy.stats.kstest computes it)."""
+    x = np.sort(np.clip(u, 0.0, 1.0), axis=-1)
+    n = x.shape[-1]
+    hi = np.arange(1, n + 1, dtype=x.dtype) / x.dtype.type(n)  # the empirical CDF just after each point
+    lo = np.arange(0, n, dtype=x.dtype) / x.dtype.type(n)  # and just before it
+    return np.maximum((hi - x).max(-1), (x - lo).max(-1))
+
+
+def chi2_statistic(u: np.ndarray, b: int) -> np.ndarray:
+    """Pearson's chi-square of each set of u's over the last axis (..., n): b equal-width bins over [0, 1] (1.0 in
+    the last), equal expected counts."""
+    n = u.shape[-1]
+    cell = np.minimum((u * b).astype(np.int64), b - 1).reshape(-1, n)
+    rows = cell.shape[0]
+    counts = np.bincount((cell + b * np.arange(rows)[:, None]).ravel(), minlength=b * rows).reshape(rows, b)
+    e = n / b
+    return (((counts - e) ** 2).sum(-1) / e).reshape(u.shape[:-1])
+
+
+def uniformity_batch(u, bins: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The tests of `uniformity` over the last axis of u (..., n) at once: (ks_stat, ks_p, chi2_stat, chi2_p, bins),
+    each an array of the leading shape. KS p is the exact two-sided one (scipy's kstwo, as stats.kstest);
+    chi-square p from b - 1 degrees of freedom (as stats.chisquare)."""
     from scipy import stats
 
+    u = np.asarray(u, dtype=np.float64)
+    n = u.shape[-1]
+    if n < 2:
+        raise ValueError(f"uniformity needs at least 2 values, got {n}")
+    b = chi2_bins(n, bins)
+    d, c = ks_statistic(u), chi2_statistic(u, b)
+    return d, stats.kstwo.sf(d, n), c, stats.chi2.sf(c, b - 1), b
+
+
+def uniformity(u, bins: int = 20) -> Uniformity:
+    """KS and histogram chi-square tests of u (1-D, values in [0, 1]) against Uniform(0, 1)."""
     u = np.asarray(u, dtype=np.float64).ravel()
-    if u.size < 2:
-        raise ValueError(f"uniformity needs at least 2 values, got {u.size}")
-    ks = stats.kstest(u, "uniform")
-    b = chi2_bins(u.size, bins)
-    counts, _ = np.histogram(u, bins=b, range=(0.0, 1.0))
-    chi2 = stats.chisquare(counts)  # expected: equal counts
-    return Uniformity(int(u.size), float(ks.statistic), float(ks.pvalue), float(chi2.statistic), float(chi2.pvalue), b)
+    ks_stat, ks_p, chi2_stat, chi2_p, b = uniformity_batch(u, bins)
+    return Uniformity(int(u.size), float(ks_stat), float(ks_p), float(chi2_stat), float(chi2_p), b)
 
 
 def holm(pvalues) -> list[float]:
