@@ -494,6 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="fixed k values for the spec benchmark")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=None, help="use only the pair's first N prompts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -504,7 +505,8 @@ def main(argv=None) -> int:
         res = bench_spec(args.target or target, args.draft or draft, args.new_tokens, args.repeats, args.threads,
                          ks=tuple(int(k) for k in args.ks.split(",")),
                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), with_hf=not args.no_hf,
-                         plot=args.plot, quick=args.quick, texts=texts, ggufs=ggufs, with_llama=not args.no_llama)
+                         plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
+                         with_llama=not args.no_llama)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
     else:
         res = bench_core(args.new_tokens, args.repeats, args.threads)
