@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import peaked_model, truncated
+from conftest import SMOL_DRAFT, peaked_model, require_smollm2, truncated, write_word_tokenizer
 from minispec import SamplingParams, Transformer
 from minispec import AdaptiveK, cli
 from minispec.equivalence import (DEFAULTS, EARLY_ALPHA, ORDERS, EquivalenceInputError, analyse, holm, pit,
@@ -27,8 +27,6 @@ from minispec.sampling import logits_to_probs
 
 BROKEN = ("no-residual", "always-accept", "unprocessed-q", "greedy-draft")
 PROMPT = [1, 5, 2, 7, 3]
-SMOL = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
-SMOL_DRAFT = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-draft"
 
 
 # ---------------------------------------------------------------------------
@@ -136,15 +134,10 @@ def test_uniformity_bins_keep_five_expected_per_bin():
 # a tiny random pair
 # ---------------------------------------------------------------------------
 
-def random_model(seed: int, vocab: int = 32, dim: int = 32, n_layers: int = 3, logit_scale: float = 2.0) -> Transformer:
-    """Peaked, context-dependent conditionals."""
-    return peaked_model(seed, vocab, dim, n_layers, logit_scale)
-
-
 @pytest.fixture(scope="module")
 def pair():
     torch.set_num_threads(1)
-    target = random_model(0)
+    target = peaked_model(0, 32, n_layers=3)
     return target, truncated(target, 1)  # acceptance ~0.2 at temperature 0.7: many rejections, some acceptances
 
 
@@ -319,7 +312,7 @@ def test_bad_prompts_and_drafts_raise_value_error(pair):
     with pytest.raises(ValueError, match="empty"):
         run_equivalence(target, draft, [PROMPT, []])
     with pytest.raises(ValueError, match="vocab_size"):
-        run_equivalence(target, random_model(1, vocab=40), PROMPT)
+        run_equivalence(target, peaked_model(1, 40, n_layers=3), PROMPT)
     with pytest.raises(ValueError, match="max_seq_len"):
         run_equivalence(target, draft, PROMPT * 12, tokens=8)
     with pytest.raises(ValueError, match="prompt-lookup"):
@@ -332,14 +325,9 @@ def test_bad_prompts_and_drafts_raise_value_error(pair):
 
 def _save_with_tokenizer(model: Transformer, path: Path, words: list[str]) -> Path:
     """Save model with a whitespace word-level tokenizer.json over `words` (id = position)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from minispec.tokenizer import load_tokenizer
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    path.mkdir(parents=True)
-    tok.save(str(path / "tokenizer.json"))
+    write_word_tokenizer(path, words)
     model.tokenizer = load_tokenizer(path)
     model.save_pretrained(path)
     return path
@@ -351,9 +339,9 @@ def cli_dirs(pair, tmp_path_factory):
     base = tmp_path_factory.mktemp("eq")
     words = ["<unk>"] + [f"w{i}" for i in range(1, 32)]
     other = ["<unk>"] + [f"v{i}" for i in range(1, 32)]  # same size, another vocabulary
-    dirs = {"target": _save_with_tokenizer(random_model(0), base / "target", words),
-            "draft": _save_with_tokenizer(truncated(random_model(0), 1), base / "draft", words),
-            "other": _save_with_tokenizer(truncated(random_model(0), 1), base / "other", other)}
+    dirs = {"target": _save_with_tokenizer(peaked_model(0, 32, n_layers=3), base / "target", words),
+            "draft": _save_with_tokenizer(truncated(peaked_model(0, 32, n_layers=3), 1), base / "draft", words),
+            "other": _save_with_tokenizer(truncated(peaked_model(0, 32, n_layers=3), 1), base / "other", other)}
     (base / "prompts.txt").write_text("w1 w5 w2 w7 w3\n\nw4 w4 w9\n")
     dirs["prompts"] = base / "prompts.txt"
     return dirs
@@ -422,10 +410,9 @@ def test_cli_bad_prompts_and_drafts_exit_2(cli_dirs, capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def smol():
-    if not (SMOL / "config.json").is_file():
-        pytest.skip(f"{SMOL} is absent: convert it with `make weights` (tools/convert_gguf.py)")
+    path = require_smollm2()
     torch.set_num_threads(1)
-    return Transformer.from_pretrained(SMOL)
+    return Transformer.from_pretrained(path)
 
 
 def stand_in_draft(target: Transformer) -> Transformer:
