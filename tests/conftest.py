@@ -131,7 +131,7 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol_gguf() -> Path:
     path = smollm2_gguf()
     if path is None:
