@@ -154,7 +154,8 @@ def test_chat_template_jinja_survives_convert_and_export(tmp_path):
     src = tmp_path / "hf"
     hf.save_pretrained(src)
     (src / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": [],
-                                                    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "a": 1},
+                                                    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<s>": 1,
+                                                                                             "</s>": 2, "a": 3},
                                                               "unk_token": "<unk>"}}))
     (src / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
