@@ -12,7 +12,7 @@ What a GGUF holds and what becomes of it:
 - qwen2's q/k/v biases (attn_q.bias, ...) become the projections' biases (`qkv_bias`);
 - `output.weight` becomes the lm_head when the file has one; otherwise the head is tied;
 - `{arch}.*` metadata becomes config.json (a ModelConfig): sizes, RoPE base, RMSNorm eps, the
-  context length (at most MAX_SEQ_LEN); a vocabulary padded with UNUSED tokens to the
+  context length (the RoPE tables grow with use, so a long one costs nothing); a vocabulary padded with UNUSED tokens to the
   embedding's row count (Qwen2: 151,665 tokens, 151,936 rows) sets `sampled_vocab_size`, so
   those rows are never sampled;
 - `tokenizer.ggml.*` metadata becomes tokenizer.json (gpt2-style byte-level BPE, built with the
@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import struct
 import sys
 from pathlib import Path
 
@@ -67,10 +66,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # the architectures whose attn_q / attn_k rows llama.cpp's converter permutes (LlamaModel.modify_tensors);
 # Qwen2Model writes them as Hugging Face has them
 ROPE_PERMUTED = {"llama": True, "qwen2": False}
-# the longest context recorded in config.json: the RoPE tables are built for max_seq_len positions
-# (2 x max_seq_len x head_dim fp32), so an advertised 128k context would cost memory no run here uses;
-# Qwen2.5's native context is 32,768
-MAX_SEQ_LEN = 32768
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +314,7 @@ def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source
         ffn_dim=int(key("feed_forward_length")),
         norm_eps=_f32_decimal(key("attention.layer_norm_rms_epsilon")),
         rope_theta=_f32_decimal(key("rope.freq_base", 10000.0)),
-        max_seq_len=min(int(key("context_length", 2048)), MAX_SEQ_LEN),
+        max_seq_len=int(key("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         sampled_vocab_size=sampled_vocab_size(meta, int(vocab_size)),
@@ -472,7 +467,7 @@ def tokenizer_files(meta: dict) -> dict[str, bytes]:
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "bos_token": name("bos"), "eos_token": name("eos"), "unk_token": name("unknown"), "pad_token": name("padding"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": min(int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)), MAX_SEQ_LEN),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
     }
     if meta.get("tokenizer.ggml.eot_token_id") is not None:
         config["eot_token"] = name("eot")
