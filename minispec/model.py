@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import check_token_ids
 from .generate import generate
 from .speculative import speculate
-from .threads import tuned
+from .threads import transposed_products_win, tuned
 
 
 class RMSNorm(nn.Module):
@@ -107,6 +107,16 @@ def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], size
     module.register_load_state_dict_pre_hook(fuse)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b; on a CPU, an fp32 product over 2-512 rows (a verify pass, a batch) as (w @ x.T).T where
+    that is faster (minispec.threads.transposed_products_win): then verifying k drafts costs about one step."""
+    rows = x.numel() // x.shape[-1]
+    if not 1 < rows <= 512 or x.dtype != torch.float32 or x.device.type != "cpu" or not transposed_products_win():
+        return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
+    xt = x.reshape(rows, -1).contiguous().t()  # a contiguous x: the thin kernel (a transposed one is 3x slower)
+    return (torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)).t().reshape(*x.shape[:-1], -1)
+
+
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache (or, with no cache, plain causal attention).
 
@@ -125,8 +135,7 @@ class Attention(nn.Module):
                 pool: torch.Tensor | None, meta: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        # F.linear on the weights directly: a module call costs a few microseconds, 120 times a step
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # queries and keys rotated together: (B, T, H+Hkv, D)
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
         if pool is None:  # full causal forward over exactly these tokens
@@ -148,7 +157,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, ctx[:, :Hkv], ctx[:, Hkv:], attn_mask=meta.mask,
                                                  enable_gqa=H != Hkv)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return F.linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -165,7 +174,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
+        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
                         self.down_proj.weight)
 
 
@@ -264,7 +273,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
-        out = F.linear(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        out = linear(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         if self.head_ids is not None:  # a subset head: every other id gets -inf
             out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
         if (n := self.config.sampled_vocab_size) is not None:

@@ -1,4 +1,5 @@
-"""How many CPU threads a forward step uses, chosen by measuring steps as they run.
+"""What the CPU does fastest, measured: how many threads a forward step uses (chosen by measuring
+steps as they run) and which form a product over a few rows takes (`transposed_products_win`).
 
 Decoding on a CPU runs one parallel matrix product after another, each only a few
 hundred microseconds long. With every core busy with minispec that is fastest with one
@@ -17,6 +18,7 @@ to the tries. Only CPU steps are tuned. Set MINISPEC_THREADS=N to fix the count 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager
@@ -103,3 +105,26 @@ def tuned(kind: tuple, device: torch.device):
     else:
         with TUNER.step(kind) as n:
             yield n
+
+
+@functools.cache
+def transposed_products_win() -> bool:
+    """Whether this CPU multiplies a few fp32 rows by a weight faster as (w @ x.T).T than as x @ w.T.
+
+    BLAS picks its kernel by the operands' shapes: for 2-9 rows against a wide weight, x @ w.T goes
+    to a general kernel that costs one matrix-vector pass per row or two, while w @ x.T takes the
+    kernel for a thin right-hand side, about one pass in all (this AVX2 EPYC, PyTorch 2.13, fp32:
+    0.2-0.55 the time for 2-9 rows; docs/benchmarks.md, 2026-12-01). Measured once per process on a
+    1536 x 1536 weight at 4 rows, best of 5 each, so a CPU whose library does not differ keeps F.linear.
+    """
+    w, x = torch.randn(1536, 1536), torch.randn(4, 1536)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    with torch.inference_mode():
+        return best(lambda: torch.mm(w, x.t())) < 0.8 * best(lambda: torch.nn.functional.linear(x, w))

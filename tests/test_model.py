@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minispec import ModelConfig, Transformer
 
@@ -160,3 +161,26 @@ def test_rmsnorm_single_row_path_matches_and_keeps_gradients():
     xr = x.clone().requires_grad_()
     (norm.weight * (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5))).sum().backward()
     assert torch.allclose(xg.grad, xr.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_linear_equals_f_linear_in_either_product_form(monkeypatch, wins):
+    # the product form is chosen by a probe of the CPU (threads.transposed_products_win); both must agree
+    import minispec.model as model_module
+    monkeypatch.setattr(model_module, "transposed_products_win", lambda: wins)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    for shape in [(1, 64), (2, 64), (3, 5, 64), (1, 512, 64), (513, 64), (2, 300, 64)]:
+        x = torch.randn(*shape, generator=g)
+        for bias in (None, b):
+            got, want = model_module.linear(x, w, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 64, generator=g).t().contiguous().t()  # a column-major input: the same values out
+    torch.testing.assert_close(model_module.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_product_form_probe_answers_once():
+    from minispec.threads import transposed_products_win
+    assert transposed_products_win() in (True, False)
+    assert transposed_products_win.cache_info().currsize == 1
