@@ -96,17 +96,17 @@ class AdaptiveK:
         return k
 
     def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int,
-               verify_s: float) -> None:
+               verify_s: float | None) -> None:
         """One round's outcome: per sequence drafts and acceptances; wall times of drafting (over draft_steps
-        forward passes) and of verifying."""
+        forward passes; 0: not timed) and of verifying (None: not timed)."""
         d = self.decay
         self.successes = d * self.successes + sum(accepted)
         self.failures = d * self.failures + sum(n < k for n, k in zip(accepted, drafted))
         ema = lambda old, new: new if old is None else d * old + (1 - d) * new  # noqa: E731
         if draft_steps > 0:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
-        k = max(drafted, default=0)
-        self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
+        if verify_s is not None:
+            self.verify_s[max(drafted, default=0)] = ema(self.verify_s.get(max(drafted, default=0)), verify_s)
 
 
 # k="auto" carries its estimator from call to call: target -> {(draft, sampling settings, batch size): (draft

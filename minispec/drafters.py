@@ -1,10 +1,8 @@
 """Drafters: what proposes the tokens that the target verifies (the `Drafter` protocol).
 
-`ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples d_1..d_k over its own
-paged cache. `PromptLookupDrafter`: model-free, the n-gram that followed the sequence's last tokens
-earlier in its own context (Saxena 2023); q is one-hot on it. `CachedRows`: the cache bookkeeping
-the target and a model draft share, one cache sequence per batch row, rolled back each round.
-"""
+`ModelDrafter`: a smaller Transformer sharing the target's tokenizer samples d_1..d_k over its own paged
+cache. `PromptLookupDrafter`: model-free, the n-gram that followed the last tokens earlier in the context
+(Saxena 2023), q one-hot on it. `CachedRows` (the target's and a model draft's): one cache row per sequence."""
 
 from __future__ import annotations
 

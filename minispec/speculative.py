@@ -277,8 +277,9 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             else:
                 still.append(i)
         t2 = time.perf_counter()
-        if adaptive is not None:
-            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, drafter.steps, t2 - t1)
+        if adaptive is not None:  # a call's first round also prefills both models: its outcome counts, its times not
+            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, drafter.steps * (stats.rounds > 0),
+                            (t2 - t1) if stats.rounds else None)
         active = still
         stats.rounds += 1
         stats.k_chosen.append(kr)

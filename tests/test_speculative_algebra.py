@@ -303,3 +303,24 @@ def test_tokenizer_mismatch():
     target.tokenizer = None
     with pytest.raises(ValueError, match="only the draft has a tokenizer"):
         target.speculate(draft, [1, 2], max_new_tokens=2)
+
+
+def test_the_first_round_of_a_call_counts_its_outcome_but_not_its_times():
+    """A call's first round also prefills the target and the draft: timing it as a round of k drafts would
+    make that k look several times dearer than it is (Qwen2.5-Coder-1.5B: a 47-token prefill is ~6 steps)."""
+    class Recorder(AdaptiveK):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def update(self, drafted, accepted, draft_s, draft_steps, verify_s):
+            self.calls.append((draft_steps, verify_s))
+            super().update(drafted, accepted, draft_s, draft_steps, verify_s)
+    target, draft = tiny(vocab_size=32), tiny(vocab_size=32)
+    ak = Recorder()
+    for _ in range(2):
+        before = len(ak.calls)
+        target.speculate(draft, [1, 2, 3], k=ak, max_new_tokens=12, stop_tokens=[])
+        first, *rest = ak.calls[before:]
+        assert first == (0, None) and rest and all(v is not None for _, v in rest)  # later rounds: timed
+    assert ak.draft_step_s is not None and ak.verify_s and ak.successes + ak.failures > 0
