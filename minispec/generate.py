@@ -18,9 +18,8 @@ OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the bat
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens=None,
              on_tokens: OnTokens | None = None, block_size: int = 16):
-    """Generate up to max_new_tokens after each prompt.
+    """Generate up to max_new_tokens after each prompt: list[int] (one prompt) or list[list[int]] (a ragged batch).
 
-    prompts: list[int] (one prompt) or list[list[int]] (a ragged batch).
     temperature 0 is greedy; top_k / top_p filter as in Hugging Face.
     seed: sequence i of a batch samples from a generator seeded with seed + i.
     stop_tokens: ids that end a sequence (kept in the output); None = the eos id(s). max_seq_len also ends it.

@@ -34,12 +34,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps), normalised in fp32 as Hugging Face does, cast back, then scaled.
-        # (F.rms_norm is a composite of more kernels on a CPU, and no faster at decode sizes.)
+        # x * rsqrt(mean(x^2) + eps), normalised in fp32 as Hugging Face does, cast back, then scaled
+        # (F.rms_norm is more kernels on a CPU, no faster). One fp32 row (a decode step): its sum of squares
+        # is one dot product and the scale a Python float (so inference only), 3 kernels instead of 7, 60 a
+        # step (with the K/V write below, 2% of a SmolLM2-135M CPU decode step and 5% of its draft's)
         if x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
-            # one fp32 row (a decode step): its sum of squares is one dot product and the scale a Python
-            # float (so no gradient: inference only), three kernels instead of seven, 60 times a step
-            # (with the K/V write below, 2% of a SmolLM2-135M CPU decode step and 5% of its draft's)
             v = x.reshape(-1)
             return torch.mul(x, self.weight).mul_((float(torch.dot(v, v)) / v.shape[0] + self.eps) ** -0.5)
         xf = x.float()
@@ -67,9 +66,8 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: (B, T, H, D); cos, signed_sin: (B, T, 1, D).
 
-    Hugging Face writes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
-    Here the sign lives in the table (signed_sin = cat(-sin, sin) over the two halves), so
-    rotate_half becomes a roll by D/2: three kernels instead of six in every layer.
+    Hugging Face writes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). Here the sign
+    lives in the table (signed_sin = cat(-sin, sin)), so rotate_half is a roll by D/2: 3 kernels, not 6.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
@@ -111,9 +109,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x @ w.T + b; on a CPU, an fp32 product over 2-512 rows (a verify pass, a batch) as (w @ x.T).T where
     that is faster (minispec.threads.transposed_products_win): then verifying k drafts costs about one step."""
     rows = x.numel() // x.shape[-1]
+    if x.dtype == torch.float16 and rows > 8 and x.device.type == "cpu":  # CPUs lack fast fp16 GEMMs: a row each
+        return linear(x.float(), w.float(), None if b is None else b.float()).half()  # fp32 (a draft's prefill)
     if not 1 < rows <= 512 or x.dtype != torch.float32 or x.device.type != "cpu" or not transposed_products_win():
         return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
-    xt = x.reshape(rows, -1).contiguous().t()  # a contiguous x: the thin kernel (a transposed one is 3x slower)
+    xt = x.reshape(rows, -1).contiguous().t()  # x contiguous: the thin kernel (a transposed x is 3x slower)
     return (torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)).t().reshape(*x.shape[:-1], -1)
 
 
@@ -210,11 +210,8 @@ class Transformer(nn.Module):
         self.eval()
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
-        """(Re)set the RoPE cos/sin tables from the config: empty buffers (never saved) that grow with use.
-
-        They cover the longest sequence seen so far, not max_seq_len: a config may allow millions of
-        positions, and a table for all of them (gigabytes) would be built before the first token.
-        """
+        """(Re)set the RoPE cos/sin tables: empty buffers (never saved) that grow with use, to the longest
+        sequence seen so far, not max_seq_len (a config may allow millions of positions: gigabytes of table)."""
         empty = torch.empty(0, self.config.head_dim, device=device)
         self.register_buffer("rope_cos", empty, persistent=False)  # (S, D): rotate-half layout
         self.register_buffer("rope_sin", empty.clone(), persistent=False)  # signed: see apply_rope
@@ -228,9 +225,8 @@ class Transformer(nn.Module):
             raise ValueError(f"position {end - 1} is past max_seq_len={self.config.max_seq_len}")
         n = min(max(end, 2 * have, 64), self.config.max_seq_len)
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
-            # fp32 angles on the CPU whatever the device, their cos/sin in fp64 rounded to fp32: a position's
-            # values do not depend on the table's length or the device, so regrowing changes no earlier row.
-            # The tables then follow the model's device and dtype, as buffers do through .to().
+            # fp32 angles on the CPU, their cos/sin in fp64 rounded to fp32: a position's values depend on neither
+            # the table's length nor the device (regrowing changes no row); then the model's device and dtype
             angles = torch.outer(torch.arange(n, dtype=torch.float32), rope_frequencies(self.config)).double()  # (S, D/2)
             cos, sin = angles.cos().float(), angles.sin().float()
             like = dict(device=self.rope_cos.device, dtype=self.rope_cos.dtype)
@@ -305,13 +301,10 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def step(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[list[int]],
              all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
-        """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model.
-
-        Returns fp32 logits: (B, vocab) for each sequence's last new token, or with all_logits
-        (B, T, vocab) for every new token (right-padded to T = max length). With hidden, the final
-        (normed) hidden states (B, T, dim) instead, for a caller that applies `logits()` only where it
-        needs them (the lm_head is the largest matrix). Prefill is a step with the whole prompt.
-        """
+        """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model (prefill: the
+        whole prompt). Returns fp32 logits: (B, vocab) for each sequence's last new token, or with all_logits
+        (B, T, vocab) for every new token (right-padded to T = max length); with hidden, the final (normed)
+        hidden states (B, T, dim), for a caller that applies `logits()` only where it needs them."""
         n_new = [len(t) for t in new_tokens]
         if min(n_new) < 1:
             raise ValueError("every sequence in a step needs at least one new token")

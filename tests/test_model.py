@@ -184,3 +184,14 @@ def test_the_product_form_probe_answers_once():
     from minispec.threads import transposed_products_win
     assert transposed_products_win() in (True, False)
     assert transposed_products_win.cache_info().currsize == 1
+
+
+def test_a_float16_product_over_many_rows_is_computed_in_float32():
+    from minispec.model import linear
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=g).half(), torch.randn(96, generator=g).half()
+    for rows in (1, 2, 8, 9, 40):
+        x = torch.randn(rows, 64, generator=g).half()
+        got = linear(x, w, b)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-3, atol=2e-2)
