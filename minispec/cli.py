@@ -136,6 +136,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_argument, default=None,
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
+    p.add_argument("--draft-dtype", choices=DTYPES, default=None,
+                   help="the draft's compute dtype (default: as stored, except that a bfloat16 draft computes in the "
+                        "target's dtype on a CPU, where bf16 has no fast kernels); the output stays the target's")
+
+
+def load_draft(path: str, device, target: Transformer, dtype: str | None = None) -> Transformer:
+    """A draft in `dtype`, or as stored, except that a bfloat16 draft (SmolLM2's) computes in the target's dtype
+    on a CPU, where bf16 has no fast kernels without AMX or AVX-512 BF16. The output stays the target's."""
+    draft = Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    if dtype is None and draft.dtype == torch.bfloat16 and draft.device.type == "cpu":
+        draft = draft.to(target.dtype)
+    return draft
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -157,7 +169,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.draft == PROMPT_LOOKUP:
         draft = PROMPT_LOOKUP
     elif args.draft is not None:
-        draft = Transformer.from_pretrained(args.draft, device=device, dtype=dtype or target.dtype)  # compute in the target's dtype: bf16 is slow on CPUs
+        draft = load_draft(args.draft, device, target, args.draft_dtype)
         if draft.tokenizer is not None and draft.tokenizer.fingerprint != tok.fingerprint:
             raise CLIError(f"the draft {args.draft} and the target {args.target} have different tokenizers "
                            "(fingerprints differ); speculative decoding needs one shared vocabulary")
@@ -350,7 +362,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
         if args.engine == "minispec":
-            draft = args.draft if args.draft == PROMPT_LOOKUP else Transformer.from_pretrained(args.draft, device=device)
+            draft = args.draft if args.draft == PROMPT_LOOKUP else load_draft(args.draft, device, target)
             report = run_equivalence(target, draft, prompts, **sampling, **test)
         else:
             with exported({"target": args.hf_target or args.target,

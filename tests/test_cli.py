@@ -33,6 +33,9 @@ def test_generate_plain_and_speculative_agree(smol_dirs, capsys):
     assert main(args + ["--draft", "prompt-lookup", "--k", "3"]) == 0
     lookup = capsys.readouterr()
     assert lookup.out == plain.out and "speculation k=3" in lookup.err
+    assert main(args + ["--draft", draft, "--draft-dtype", "float16"]) == 0  # the draft's precision is free
+    half = capsys.readouterr()
+    assert half.out == plain.out and "speculation k=auto (mean" in half.err
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -318,7 +318,7 @@ class EquivalenceReport:
         if "power_s" in v:
             parts.append(f"power simulation {v['power_s']:.1f} s")
         return ("speed: " + "; ".join(parts) + f"; total {v['total_s']:.1f} s "
-                f"({s['torch_threads']} torch thread(s))")
+                f"(up to {s['torch_threads']} torch thread(s))")
 
     def _table(self) -> str:
         runs = [self.speculative] + ([self.reference] if self.reference is not None else [])
@@ -405,6 +405,12 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
 # ---------------------------------------------------------------------------
 # the harness
 # ---------------------------------------------------------------------------
+
+def max_threads() -> int:
+    """The CPU threads a step may use: the thread tuner's largest count (it picks per step), else torch's."""
+    from minispec.threads import TUNER
+    return TUNER.candidates[0] if TUNER is not None else torch.get_num_threads()
+
 
 def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], tokens: int = DEFAULTS["tokens"],
                     k: "int | str | AdaptiveK" = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
@@ -532,7 +538,7 @@ def _verdict(target, chunks, prompts, counts, params: SamplingParams, T: int, se
                     samples=counts[0] if len(set(counts)) == 1 else None, samples_total=sum(counts), tokens=T,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, alpha=alpha, bins=bins,
                     correction="holm", stop_tokens="disabled", token_orders=list(orders), batch_size=batch_size,
-                    torch_threads=torch.get_num_threads())
+                    torch_threads=max_threads())
     settings.setdefault("engine_version", None)
     notes.append("timings are wall-clock and include whatever else the machine runs; on a shared, loaded machine "
                  "they understate the speed")
