@@ -69,3 +69,15 @@ def test_bad_requests_are_one_line_errors(saved, capsys):
     assert draft_head.main([str(tmp / "sub"), str(tmp / "y")]) == 1
     assert "already has a subset head" in capsys.readouterr().err
     assert not (tmp / "x").exists() and not (tmp / "y").exists()
+
+
+def test_a_float16_draft_is_stored_and_loaded_as_float16_and_speculation_stays_exact(saved):
+    """The draft's precision is free: greedy speculation with an fp16 draft gives the fp32 target's tokens."""
+    model, tmp = saved
+    assert draft_head.main([str(tmp / "full"), str(tmp / "sub16"), "--tokens", "16", "--dtype", "float16"]) == 0
+    sub = Transformer.from_pretrained(tmp / "sub16")  # no dtype given: as stored
+    assert sub.dtype == torch.float16 and sub.head_ids.dtype == torch.long
+    prompts = [[1, 2, 3], [7, 8]]
+    spec = model.speculate(sub, prompts, k=3, max_new_tokens=20, stop_tokens=[])
+    assert spec.tokens == model.generate(prompts, max_new_tokens=20, stop_tokens=[])
+    assert spec.stats.accepted > 0

@@ -13,7 +13,7 @@ generations), the most frequent there; otherwise the lowest ids, which for a byt
 vocabulary are its earliest merges, the most frequent pieces of the text the tokenizer was
 trained on. Special tokens and the stop ids are always kept.
 
-    python tools/draft_head.py SRC_DIR DST_DIR [--tokens 32768] [--counts tokens.json]
+    python tools/draft_head.py SRC_DIR DST_DIR [--tokens 32768] [--counts tokens.json] [--dtype float16]
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def head_ids(cfg: ModelConfig, tokenizer, n: int, counts: list[int] | None = Non
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
-def make_subset_head(src: str, dst: str, n: int = DEFAULT_TOKENS, counts: list[int] | None = None) -> ModelConfig:
+def make_subset_head(src: str, dst: str, n: int = DEFAULT_TOKENS, counts: list[int] | None = None,
+                     dtype: torch.dtype | None = None) -> ModelConfig:
     model = Transformer.from_pretrained(src)
     cfg = model.config
     if model.head_ids is not None:
@@ -71,7 +72,7 @@ def make_subset_head(src: str, dst: str, n: int = DEFAULT_TOKENS, counts: list[i
     state["head_ids"] = ids
     draft.load_state_dict(state, assign=True, strict=True)
     draft.tokenizer = model.tokenizer
-    draft.save_pretrained(dst)
+    draft.save_pretrained(dst, dtype=dtype)  # the stored dtype is the one from_pretrained computes in
     return new_cfg
 
 
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dst")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"rows the head keeps (default {DEFAULT_TOKENS})")
     p.add_argument("--counts", default=None, help="a JSON list of token ids whose frequencies rank the tokens")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="store the draft in this dtype (default: as the source); float16 halves the bytes a draft "
+                        "step reads, and the output stays the target's")
     args = p.parse_args(argv)
 
     def run() -> str:
@@ -89,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             counts = json.loads(Path(args.counts).read_text(encoding="utf-8"))
             if not isinstance(counts, list) or not all(isinstance(t, int) for t in counts):
                 raise ConversionError(f"--counts {args.counts} must hold a JSON list of token ids")
-        cfg = make_subset_head(args.src, args.dst, args.tokens, counts)
-        return f"wrote {args.dst}: a {cfg.head_vocab_size}-row head over {cfg.vocab_size} ids"
+        cfg = make_subset_head(args.src, args.dst, args.tokens, counts, getattr(torch, args.dtype) if args.dtype else None)
+        return f"wrote {args.dst}: a {cfg.head_vocab_size}-row head over {cfg.vocab_size} ids" + (
+            f", stored as {args.dtype}" if args.dtype else "")
     return run_tool(run)
 
 
