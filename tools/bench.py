@@ -7,6 +7,9 @@
                                    # and assisted generation with the same draft, batch sizes 1/4/16;
                                    # a markdown table, a PNG plot, predicted vs measured tokens per round,
                                    # peak memory of target + draft beside target alone
+    python tools/bench.py drafts --pair coder --ks 4 [--draft SUBSET_DIR]   # the pair's small model in fp32
+                                   # and fp16 (and another draft, e.g. with a subset head): acceptance, draft
+                                   # step cost, speed-up at a fixed k
 
 The memory-bandwidth floor is the fp32 weight bytes read per decode step over the
 measured read bandwidth of this machine (a reduction over a 512 MiB tensor).
@@ -26,6 +29,7 @@ import torch
 from minispec import ModelConfig, Transformer
 from minispec.checkpoint import minispec_to_hf_name
 
+WARM_TOKENS = 8  # new tokens of each contender's warm-up run
 SMOLLM2_SHAPE = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                      max_seq_len=2048, rope_theta=100000.0, tie_embeddings=True, bos_id=1, eos_id=2)
 
@@ -125,6 +129,7 @@ CODER_PROMPTS = [
 ]
 
 # name -> (target dir, draft dir, prompts, the GGUF files both were converted from, or None)
+DRAFT_SOURCES = {"smollm2": "weights/smollm2-135m-draft", "coder": "weights/qwen2.5-coder-0.5b-instruct"}
 PAIRS = {
     "smollm2": ("weights/smollm2-135m-instruct", "weights/smollm2-135m-draft", BENCH_PROMPTS, None),
     "coder": ("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct-draft", CODER_PROMPTS,
@@ -156,7 +161,9 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-    draft = Transformer.from_pretrained(draft_dir, dtype=torch.float32)
+    draft = Transformer.from_pretrained(draft_dir)  # as stored: the coder draft is fp16 (make weights-coder)
+    if draft.dtype == torch.bfloat16:
+        draft = draft.float()  # slow on CPUs without native bf16
     messages = [[{"role": "user", "content": p}] for p in texts]
     prompts = [target.tokenizer.encode_chat(m) for m in messages]
     rows = []
@@ -177,8 +184,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         machine's load hits every contender alike; a contender's rate in a round is its tokens over its time
         summed over the prompts. (Per-prompt pairs vary far less than whole passes over the prompts, which on
         this shared machine ranged up to 30% apart within one run.)"""
-        for _, parts in plan:
-            parts[0]()
+        for _, parts in plan:  # first touch of the weights, the thread tuner: a few tokens each
+            parts[0](WARM_TOKENS)
         rates: list[list[float]] = [[] for _ in plan]
         stats: list = [None] * len(plan)
         for r in range(repeats):
@@ -214,15 +221,15 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
     def over_prompts(run_one):
         """One part per bench prompt."""
-        return [lambda ids=ids, i=i: run_one(ids, i) for i, ids in enumerate(prompts)]
+        return [lambda n=new_tokens, ids=ids, i=i: run_one(ids, i, n) for i, ids in enumerate(prompts)]
 
     def gen(temperature):
-        return over_prompts(lambda ids, i: (len(target.generate(ids, max_new_tokens=new_tokens, temperature=temperature,
-                                                                 seed=i, stop_tokens=[])), None))
+        return over_prompts(lambda ids, i, n: (len(target.generate(ids, max_new_tokens=n, temperature=temperature,
+                                                                    seed=i, stop_tokens=[])), None))
 
     def spec(drafter, k, temperature):
-        def one(ids, i):
-            res = target.speculate(drafter, ids, k=k, max_new_tokens=new_tokens, temperature=temperature, seed=i,
+        def one(ids, i, n):
+            res = target.speculate(drafter, ids, k=k, max_new_tokens=n, temperature=temperature, seed=i,
                                    stop_tokens=[])
             return len(res.tokens), res.stats
         return over_prompts(one)
@@ -255,36 +262,40 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft)
 
-    if with_llama and ggufs is not None:
+    for bsz in batch_sizes:
+        if bsz == 1:
+            continue
+        batch = [prompts[i % len(prompts)] for i in range(bsz)]
+
+        def gen_b(n=new_tokens, batch=batch):
+            out = target.generate(batch, max_new_tokens=n, temperature=0.0, stop_tokens=[])
+            return sum(map(len, out)), None
+
+        def spec_b(n=new_tokens, batch=batch):
+            res = target.speculate(draft, batch, k="auto", max_new_tokens=n, temperature=0.0, stop_tokens=[])
+            return sum(map(len, res.tokens)), res.stats
+        measure("minispec target-only", [gen_b], batch=bsz)
+        measure("minispec speculate", [spec_b], batch=bsz, k="auto")
+
+    run_plan()
+
+    if with_llama and ggufs is not None:  # its own phase: its copies of the weights fill the page cache too
         bin_dir = llama_cpp_bin()
         if bin_dir is None:
             print("llama.cpp is not built (python tools/llama_cpp.py): its rows are skipped", file=sys.stderr)
         else:
             chat = [target.tokenizer.apply_chat_template(m) for m in messages]
+            measure("minispec target-only", gen(0.0))
+            measure("minispec speculate", spec(draft, "auto", 0.0), k="auto")
             for label, (tg, dg) in (("F32", tuple(f32_gguf(bin_dir, g) for g in ggufs)), ("shipped", ggufs)):
-                for temperature in (0.0, 0.7):
+                for temperature in (0.0,):  # the llama.cpp goal is greedy (T=0.7 rows: add 0.7 here)
                     measure(f"llama.cpp completion ({label})",
                             llama_parts(bin_dir, chat, new_tokens, threads, temperature, tg), temperature=temperature)
                     measure(f"llama.cpp speculative ({label})",
                             llama_parts(bin_dir, chat, new_tokens, threads, temperature, tg, dg), k="llama",
                             temperature=temperature)
 
-    for bsz in batch_sizes:
-        if bsz == 1:
-            continue
-        batch = [prompts[i % len(prompts)] for i in range(bsz)]
-
-        def gen_b(batch=batch):
-            out = target.generate(batch, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
-            return sum(map(len, out)), None
-
-        def spec_b(batch=batch):
-            res = target.speculate(draft, batch, k="auto", max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
-            return sum(map(len, res.tokens)), res.stats
-        measure("minispec target-only", [gen_b], batch=bsz)
-        measure("minispec speculate", [spec_b], batch=bsz, k="auto")
-
-    run_plan()
+            run_plan()
 
     if with_hf:  # its own phase: transformers' copies of both models do not fit in memory beside the rest
         from transformers import AutoModelForCausalLM
@@ -301,9 +312,9 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         measure("minispec speculate", spec(draft, "auto", 0.7), k="auto", temperature=0.7)
 
         def hf_gen(assistant, temperature):
-            def one(ids, i):
+            def one(ids, i, n):
                 torch.manual_seed(i)
-                kw = dict(do_sample=temperature > 0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                kw = dict(do_sample=temperature > 0, max_new_tokens=n, min_new_tokens=n,
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
                 if temperature > 0:
                     kw.update(temperature=temperature, top_k=None, top_p=None)
@@ -322,7 +333,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
             f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
     mem_target = process_memory_mb(load + f"t.generate(ids, max_new_tokens={new_tokens}, stop_tokens=[])")
-    mem_both = process_memory_mb(load + f"d = Transformer.from_pretrained({draft_dir!r}, dtype=torch.float32)\n"
+    mem_both = process_memory_mb(load + f"d = Transformer.from_pretrained({draft_dir!r})\nd = d.float() if d.dtype == torch.bfloat16 else d\n"
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
     res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
@@ -330,10 +341,60 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
-           "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
+           "draft_dtype": str(draft.dtype).removeprefix("torch."), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
     if plot:
         plot_spec(res, plot)
     return res
+
+
+def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], texts, new_tokens: int = 128,
+                 k: int = 4, repeats: int = 1, threads: int = 2) -> dict:
+    """Draft options side by side against one fp32 target: each (label, checkpoint, dtype) drafts greedily
+    at a fixed k on the same prompts, interleaved with target-only per prompt (the order alternating);
+    per option: acceptance, tokens per round, its decode step over the target's, end-to-end tokens/s."""
+    torch.set_num_threads(threads)
+    target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    drafts = [Transformer.from_pretrained(d, dtype=dt) for _, d, dt in options]
+    prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
+
+    def step_ms(model, repeats: int = 15) -> float:
+        cache = model.new_cache()
+        s = cache.new_sequence()
+        model.step(cache, [s], [prompts[0]])
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.step(cache, [s], [prompts[0][-1:]])
+            times.append(time.perf_counter() - t)
+            cache.truncate(s, len(prompts[0]))
+        return statistics.median(times) * 1e3
+
+    runs = [lambda ids, n=new_tokens: (len(target.generate(ids, max_new_tokens=n, stop_tokens=[])), None)]
+    runs += [lambda ids, n=new_tokens, d=d: (lambda r: (len(r.tokens), r.stats))(
+        target.speculate(d, ids, k=k, max_new_tokens=n, stop_tokens=[])) for d in drafts]
+    for run in runs:  # warm up: first touch of the weights, the thread tuner
+        run(prompts[0], WARM_TOKENS)
+    secs, toks, stats = [[0.0] * len(runs) for _ in range(repeats)], [0] * len(runs), [[] for _ in runs]
+    for r in range(repeats):
+        for u, ids in enumerate(prompts):
+            order = range(len(runs)) if (r + u) % 2 == 0 else range(len(runs) - 1, -1, -1)
+            for i in order:
+                t = time.perf_counter()
+                n, st = runs[i](ids)
+                secs[r][i] += time.perf_counter() - t
+                toks[i] += n
+                stats[i].append(st)
+            print(f"prompt {u + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+    t_target = step_ms(target)
+    rate = lambda i: statistics.median(toks[i] / repeats / secs[r][i] for r in range(repeats))  # noqa: E731
+    rows = [{"draft": "target-only", "tok_s": rate(0)}]
+    for i, (label, d, dt) in enumerate(options, start=1):
+        st = merge_stats(stats[i])
+        rows.append({"draft": label, "dtype": str(dt).removeprefix("torch."), "tok_s": rate(i),
+                     "speedup": rate(i) / rate(0), "acceptance": st.acceptance_rate,
+                     "per_round": st.mean_accepted, "draft_step_ratio": step_ms(drafts[i - 1]) / t_target})
+    return {"rows": rows, "k": k, "new_tokens": new_tokens, "prompts": len(prompts), "threads": threads,
+            "target_step_ms": t_target}
 
 
 def llama_cpp_bin() -> Path | None:
@@ -366,13 +427,13 @@ def llama_parts(bin_dir: Path, chats: list[str], new_tokens: int, threads: int, 
     import subprocess
     import tempfile
 
-    def one(text: str, i: int):
+    def one(text: str, i: int, n: int):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(text)
-        common = ["-m", target, "-f", f.name, "-n", str(new_tokens), "--ignore-eos", "-t", str(threads),
-                  "--temp", str(temperature), "-s", str(i), "-c", "4096", "--no-warmup"]
-        if draft is None:
-            cmd = [str(bin_dir / "llama-completion"), *common, "-no-cnv"]
+        common = ["-m", target, "-f", f.name, "-n", str(n), "--ignore-eos", "-t", str(threads),
+                  "--temp", str(temperature), "-s", str(i), "-c", "4096"]
+        if draft is None:  # (llama-speculative has no --no-warmup; its timings exclude the warm-up anyway)
+            cmd = [str(bin_dir / "llama-completion"), *common, "-no-cnv", "--no-warmup"]
         else:
             cmd = [str(bin_dir / "llama-speculative"), *common, "-md", draft, "-td", str(threads)]
         out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -387,7 +448,7 @@ def llama_parts(bin_dir: Path, chats: list[str], new_tokens: int, threads: int, 
         enc = float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
         dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         return int(dec.group(1)), None, enc + float(dec.group(2))
-    return [lambda text=text, i=i: one(text, i) for i, text in enumerate(chats)]
+    return [lambda n=new_tokens, text=text, i=i: one(text, i, n) for i, text in enumerate(chats)]
 
 
 def _exported(src: str) -> str:
@@ -445,7 +506,8 @@ def spec_table(res: dict) -> str:
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
-                 f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, fp32.")
+                 f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, fp32 target, "
+                 f"{res.get('draft_dtype', 'float32')} draft.")
     return "\n".join(lines)
 
 
@@ -482,7 +544,7 @@ def plot_spec(res: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["core", "spec"], nargs="?", default="spec")
+    ap.add_argument("which", choices=["core", "spec", "drafts"], nargs="?", default="spec")
     ap.add_argument("--pair", choices=sorted(PAIRS), default="smollm2",
                     help="smollm2 (the default) or coder: Qwen2.5-Coder-1.5B drafted by its 0.5B (make weights-coder)")
     ap.add_argument("--target", default=None, help="the target checkpoint (default: the pair's)")
@@ -508,6 +570,16 @@ def main(argv=None) -> int:
                          plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
                          with_llama=not args.no_llama)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
+    elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head), in fp32 and fp16
+        target, draft, texts, _ = PAIRS[args.pair]
+        dirs = [DRAFT_SOURCES[args.pair]] + ([args.draft] if args.draft else [])
+        options = [(Path(d).name, d, dt) for d in dirs for dt in (torch.float32, torch.float16)]
+        res = bench_drafts(args.target or target, options, texts[:args.prompts], args.new_tokens,
+                           int(args.ks.split(",")[0]), args.repeats, args.threads)
+        print(json.dumps(res, indent=2) if args.json else "\n".join(
+            f"| {r['draft']} | {r.get('dtype', 'fp32')} | {r['tok_s']:.2f} | " + (
+                f"{r['speedup']:.2f}x | {r['acceptance']:.3f} | {r['per_round']:.2f} | {r['draft_step_ratio']:.3f} |"
+                if "speedup" in r else "1.00x | | | |") for r in res["rows"]))
     else:
         res = bench_core(args.new_tokens, args.repeats, args.threads)
         print_core(res, args.json)
