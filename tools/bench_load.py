@@ -1,7 +1,12 @@
 """Quiet vs one busy-loop process: SmolLM2 greedy target-only and speculate (k=auto), the thread tuner (default)
 against 2 fixed threads; interleaved, 3 repetitions each, medians."""
-import statistics, subprocess, sys, time, json
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 code = r'''
 import os, sys, time, torch
 mode = sys.argv[1]
@@ -20,7 +25,7 @@ for load in ("quiet", "loaded"):
     time.sleep(1)
     for rep in range(3):
         for mode in (("tuner", "2", "1") if rep % 2 == 0 else ("1", "2", "tuner")):
-            out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, cwd="/work/main")
+            out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, cwd=ROOT)
             g, s = map(float, out.stdout.split())
             res.setdefault((load, mode), []).append((g, s))
             print(load, mode, f"generate {g:.1f} tok/s  speculate {s:.1f} tok/s", flush=True)
