@@ -105,8 +105,9 @@ class AdaptiveK:
         ema = lambda old, new: new if old is None else d * old + (1 - d) * new  # noqa: E731
         if draft_steps > 0:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)
+        k = max(drafted, default=0)
         if verify_s is not None:
-            self.verify_s[max(drafted, default=0)] = ema(self.verify_s.get(max(drafted, default=0)), verify_s)
+            self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
 
 
 # k="auto" carries its estimator from call to call: target -> {(draft, sampling settings, batch size): (draft
