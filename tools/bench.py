@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from minispec import ModelConfig, Transformer
+from minispec.cli import load_draft
 from minispec.checkpoint import minispec_to_hf_name
 
 WARM_TOKENS = 8  # new tokens of each contender's warm-up run
@@ -154,6 +155,21 @@ def process_memory_mb(code: str) -> tuple[float, float]:
     return int(peak) / 1024, int(final) / 1024
 
 
+def step_time(model, prompt: list[int], n_tokens: int = 1, repeats: int = 30, hidden: bool = False) -> float:
+    """Median seconds of one step over the last n_tokens of `prompt` (the rest in the cache, rolled back each time):
+    a decode step (n_tokens 1) or the target's verify pass over n_tokens - 1 drafts."""
+    cache = model.new_cache(num_blocks=64, block_size=16)
+    s = cache.new_sequence()
+    model.step(cache, [s], [prompt])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.step(cache, [s], [prompt[-n_tokens:]], all_logits=n_tokens > 1, hidden=hidden)
+        times.append(time.perf_counter() - t)
+        cache.truncate(s, len(prompt))
+    return statistics.median(times)
+
+
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
                quick: bool = False, texts=BENCH_PROMPTS, ggufs: tuple[str, str] | None = None,
@@ -161,9 +177,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-    draft = Transformer.from_pretrained(draft_dir)  # as stored: the coder draft is fp16 (make weights-coder)
-    if draft.dtype == torch.bfloat16:
-        draft = draft.float()  # slow on CPUs without native bf16
+    draft = load_draft(draft_dir, None, target)  # as stored (the coder draft is fp16), a bf16 one in fp32
     messages = [[{"role": "user", "content": p}] for p in texts]
     prompts = [target.tokenizer.encode_chat(m) for m in messages]
     rows = []
@@ -245,22 +259,11 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
     # draft step cost relative to the target step: one decode step each, median of many; and the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
-    def step_time(model, n_tokens: int = 1, repeats: int = 30, hidden: bool = False):
-        cache = model.new_cache(num_blocks=64, block_size=16)
-        s = cache.new_sequence()
-        model.step(cache, [s], [prompts[0]])
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            model.step(cache, [s], [prompts[0][-n_tokens:]], all_logits=n_tokens > 1, hidden=hidden)
-            times.append(time.perf_counter() - t)
-            cache.truncate(s, len(prompts[0]))
-        return statistics.median(times)
     # sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
     # the lm_head over GREEDY_HEAD_CHUNK positions at a time, as long as the drafts agree (greedy_verify)
-    verify_cost = {kk: step_time(target, kk + 1, 15) for kk in range(max(ks) + 1)}
-    trunk_cost = {kk: step_time(target, kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
-    t_target, t_draft = verify_cost[0], step_time(draft)
+    verify_cost = {kk: step_time(target, prompts[0], kk + 1, 15) for kk in range(max(ks) + 1)}
+    trunk_cost = {kk: step_time(target, prompts[0], kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
+    t_target, t_draft = verify_cost[0], step_time(draft, prompts[0])
 
     for bsz in batch_sizes:
         if bsz == 1:
@@ -333,7 +336,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
             f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
     mem_target = process_memory_mb(load + f"t.generate(ids, max_new_tokens={new_tokens}, stop_tokens=[])")
-    mem_both = process_memory_mb(load + f"d = Transformer.from_pretrained({draft_dir!r})\nd = d.float() if d.dtype == torch.bfloat16 else d\n"
+    mem_both = process_memory_mb(load + f"from minispec.cli import load_draft; d = load_draft({draft_dir!r}, None, t)\n"
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
     res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
@@ -357,18 +360,6 @@ def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], t
     drafts = [Transformer.from_pretrained(d, dtype=dt) for _, d, dt in options]
     prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
 
-    def step_ms(model, repeats: int = 15) -> float:
-        cache = model.new_cache()
-        s = cache.new_sequence()
-        model.step(cache, [s], [prompts[0]])
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            model.step(cache, [s], [prompts[0][-1:]])
-            times.append(time.perf_counter() - t)
-            cache.truncate(s, len(prompts[0]))
-        return statistics.median(times) * 1e3
-
     runs = [lambda ids, n=new_tokens: (len(target.generate(ids, max_new_tokens=n, stop_tokens=[])), None)]
     runs += [lambda ids, n=new_tokens, d=d: (lambda r: (len(r.tokens), r.stats))(
         target.speculate(d, ids, k=k, max_new_tokens=n, stop_tokens=[])) for d in drafts]
@@ -385,14 +376,14 @@ def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], t
                 toks[i] += n
                 stats[i].append(st)
             print(f"prompt {u + 1}/{len(prompts)}", file=sys.stderr, flush=True)
-    t_target = step_ms(target)
+    t_target = step_time(target, prompts[0], repeats=15) * 1e3
     rate = lambda i: statistics.median(toks[i] / repeats / secs[r][i] for r in range(repeats))  # noqa: E731
     rows = [{"draft": "target-only", "tok_s": rate(0)}]
     for i, (label, d, dt) in enumerate(options, start=1):
         st = merge_stats(stats[i])
         rows.append({"draft": label, "dtype": str(dt).removeprefix("torch."), "tok_s": rate(i),
                      "speedup": rate(i) / rate(0), "acceptance": st.acceptance_rate,
-                     "per_round": st.mean_accepted, "draft_step_ratio": step_ms(drafts[i - 1]) / t_target})
+                     "per_round": st.mean_accepted, "draft_step_ratio": step_time(drafts[i - 1], prompts[0], repeats=15) * 1e3 / t_target})
     return {"rows": rows, "k": k, "new_tokens": new_tokens, "prompts": len(prompts), "threads": threads,
             "target_step_ms": t_target}
 
