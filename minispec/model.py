@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import check_token_ids
 from .generate import generate
 from .speculative import speculate
-from .threads import transposed_products_win, tuned
+from .threads import PRODUCTS, product_forms, tuned
 
 
 class RMSNorm(nn.Module):
@@ -106,15 +106,18 @@ def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], size
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b; on a CPU, an fp32 product over 2-512 rows (a verify pass, a batch) as (w @ x.T).T where
-    that is faster (minispec.threads.transposed_products_win): then verifying k drafts costs about one step."""
+    """x @ w.T + b; on a CPU, an fp32 product in the form this CPU computes fastest (threads.product_forms:
+    one for a decode step, one for 2-512 rows, a verify pass or a batch), so that verifying k drafts costs
+    about one step. (Not the forms under autograd: distillation trains through F.linear.)"""
     rows = x.numel() // x.shape[-1]
-    if x.dtype == torch.float16 and rows > 8 and x.device.type == "cpu":  # CPUs lack fast fp16 GEMMs: a row each
-        return linear(x.float(), w.float(), None if b is None else b.float()).half()  # fp32 (a draft's prefill)
-    if not 1 < rows <= 512 or x.dtype != torch.float32 or x.device.type != "cpu" or not transposed_products_win():
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
-    xt = x.reshape(rows, -1).contiguous().t()  # x contiguous: the thin kernel (a transposed x is 3x slower)
-    return (torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)).t().reshape(*x.shape[:-1], -1)
+    if x.dtype == torch.float16 and rows > 8:  # CPUs lack fast fp16 GEMMs: a row each
+        return linear(x.float(), w.float(), None if b is None else b.float()).half()  # fp32 (a draft's prefill)
+    if x.dtype != torch.float32:
+        return F.linear(x, w, b)
+    form = product_forms()[rows > 1]
+    return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
 
 
 class Attention(nn.Module):

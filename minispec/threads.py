@@ -1,5 +1,5 @@
 """What the CPU does fastest, measured: how many threads a forward step uses (chosen by measuring
-steps as they run) and which form a product over a few rows takes (`transposed_products_win`).
+steps as they run) and which form an fp32 product takes (`product_forms`).
 
 Decoding on a CPU runs one parallel matrix product after another, each only a few
 hundred microseconds long. With every core busy with minispec that is fastest with one
@@ -107,24 +107,37 @@ def tuned(kind: tuple, device: torch.device):
             yield n
 
 
+def _transposed(x, w, b):
+    xt = x.reshape(-1, x.shape[-1]).contiguous().t()  # x contiguous: the thin kernel (a transposed x is 3x slower)
+    return (torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)).t().reshape(*x.shape[:-1], -1)
+
+
+# the forms an fp32 CPU product x @ w.T + b can take; PyTorch's own kernels, each picked by shape in its library
+PRODUCTS = {"aten": torch.nn.functional.linear,  # MKL's GEMM / GEMV
+            "transposed": _transposed,  # (w @ x.T).T: MKL's kernel for a thin right-hand side
+            "onednn": lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")}
+
+
 @functools.cache
-def transposed_products_win() -> bool:
-    """Whether this CPU multiplies a few fp32 rows by a weight faster as (w @ x.T).T than as x @ w.T.
+def product_forms() -> tuple[str, str]:
+    """The fastest form of an fp32 product on this CPU for one row and for 2-512 rows, measured once.
 
-    BLAS picks its kernel by the operands' shapes: for 2-9 rows against a wide weight, x @ w.T goes
-    to a general kernel that costs one matrix-vector pass per row or two, while w @ x.T takes the
-    kernel for a thin right-hand side, about one pass in all (this AVX2 EPYC, PyTorch 2.13, fp32:
-    0.2-0.55 the time for 2-9 rows; docs/benchmarks.md, 2026-12-01). Measured once per process on a
-    1536 x 1536 weight at 4 rows, best of 5 each, so a CPU whose library does not differ keeps F.linear.
+    The libraries pick kernels by shape, and what they pick differs by CPU: on this AVX2 EPYC (PyTorch
+    2.13) MKL's x @ w.T costs one matrix-vector pass per row for 2-9 rows, (w @ x.T).T about one pass
+    for a few rows, and oneDNN's inner product 0.6 of MKL's time at one row and 0.3-0.5 at 2-9 rows
+    (docs/benchmarks.md, 2026-12-01). Timed once per process on an 8192 x 1536 weight (larger than any
+    cache, as a model's are), best of 5 each: about 0.3 s.
     """
-    w, x = torch.randn(1536, 1536), torch.randn(4, 1536)
+    w, b = torch.randn(8192, 1536), torch.randn(8192)
+    forms = [f for f in PRODUCTS if f != "onednn" or torch.backends.mkldnn.is_available()]
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(5):
+    def best(form: str, rows: int) -> float:
+        x, times = torch.randn(rows, 1536), []
+        for _ in range(6):
             t0 = time.perf_counter()
-            fn()
+            PRODUCTS[form](x, w, b)
             times.append(time.perf_counter() - t0)
-        return min(times)
+        return min(times[1:])
     with torch.inference_mode():
-        return best(lambda: torch.mm(w, x.t())) < 0.8 * best(lambda: torch.nn.functional.linear(x, w))
+        return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
+                min(forms, key=lambda f: best(f, 4)))

@@ -163,11 +163,14 @@ def test_rmsnorm_single_row_path_matches_and_keeps_gradients():
     assert torch.allclose(xg.grad, xr.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("wins", [True, False])
-def test_linear_equals_f_linear_in_either_product_form(monkeypatch, wins):
-    # the product form is chosen by a probe of the CPU (threads.transposed_products_win); both must agree
+@pytest.mark.parametrize("forms", [("aten", "aten"), ("aten", "transposed"), ("onednn", "onednn"),
+                                   ("onednn", "transposed")])
+def test_linear_equals_f_linear_in_every_product_form(monkeypatch, forms):
+    # the product forms are chosen by a probe of the CPU (threads.product_forms); every one must agree
     import minispec.model as model_module
-    monkeypatch.setattr(model_module, "transposed_products_win", lambda: wins)
+    if "onednn" in forms and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this build")
+    monkeypatch.setattr(model_module, "product_forms", lambda: forms)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     for shape in [(1, 64), (2, 64), (3, 5, 64), (1, 512, 64), (513, 64), (2, 300, 64)]:
@@ -178,12 +181,16 @@ def test_linear_equals_f_linear_in_either_product_form(monkeypatch, wins):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     x = torch.randn(4, 64, generator=g).t().contiguous().t()  # a column-major input: the same values out
     torch.testing.assert_close(model_module.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    wg = w.clone().requires_grad_()  # under autograd (distillation) every form leaves it to F.linear
+    model_module.linear(torch.randn(3, 64, generator=g), wg, b).sum().backward()
+    assert wg.grad is not None and wg.grad.shape == w.shape
 
 
 def test_the_product_form_probe_answers_once():
-    from minispec.threads import transposed_products_win
-    assert transposed_products_win() in (True, False)
-    assert transposed_products_win.cache_info().currsize == 1
+    from minispec.threads import PRODUCTS, product_forms
+    one, few = product_forms()
+    assert one in PRODUCTS and one != "transposed" and few in PRODUCTS
+    assert product_forms.cache_info().currsize == 1
 
 
 def test_a_float16_product_over_many_rows_is_computed_in_float32():
