@@ -40,10 +40,11 @@ class ThreadTuner:
         self.since: dict[tuple, int] = {}  # kind -> steps since the last try
         self.tries: dict[tuple, int] = {}  # kind -> tries so far (they rotate over the other counts)
         self.current: int | None = None
+        self.last_best: int | None = None  # the count the last kind's own steps ran at: where a new kind starts
 
     def best(self, kind: tuple) -> int:
         means = self.mean.get(kind)
-        return min(means, key=means.get) if means else self.candidates[0]
+        return min(means, key=means.get) if means else self.last_best or self.candidates[0]
 
     def choose(self, kind: tuple) -> int:
         """The thread count for the next step of this kind: the best so far, or a try of another."""
@@ -67,7 +68,9 @@ class ThreadTuner:
             self.gap[kind] = min(self.max_gap, 2 * self.gap.get(kind, self.min_gap)) if held else self.min_gap
             return
         means[threads] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        if old is not None and seconds > self.slow * old:  # the machine got busier: try the others soon
+        self.last_best = threads
+        # the machine got busier: try fewer threads soon (already at the fewest: more would not help)
+        if old is not None and seconds > self.slow * old and threads > self.candidates[-1]:
             self.gap[kind] = self.min_gap
             self.since[kind] = max(self.since.get(kind, 0), self.min_gap - 1)
 

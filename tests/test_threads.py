@@ -50,6 +50,14 @@ def test_kinds_are_tuned_apart():
     assert tuner.best((1,)) == 2 and tuner.best((2,)) == 1
 
 
+def test_a_new_kind_starts_where_the_machine_is_and_one_thread_ignores_slow_steps():
+    tuner = ThreadTuner(max_threads=2)
+    busy = lambda i, n: 0.090 if n == 2 else (0.043 if i % 5 else 0.1)  # one thread, now and then descheduled  # noqa: E731
+    used = simulate(tuner, busy, 600)
+    assert used[50:].count(2) <= 4  # slow one-thread steps do not send it back to trying two threads
+    assert tuner.best(("a new kind",)) == 1  # a new kind of step starts at the count the machine favours now
+
+
 def test_step_sets_the_count_only_when_it_changes():
     calls = []
     t = iter(range(100))
