@@ -338,7 +338,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     mem_target = process_memory_mb(load + f"t.generate(ids, max_new_tokens={new_tokens}, stop_tokens=[])")
     mem_both = process_memory_mb(load + f"from minispec.cli import load_draft; d = load_draft({draft_dir!r}, None, t)\n"
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
-    res = {"rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
+    res = {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
            "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
@@ -452,15 +452,17 @@ def _exported(src: str) -> str:
     return str(dst)
 
 
-def predicted_speedup(res: dict, row: dict) -> float | None:
+def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
     """The cost model's speedup over target-only for a batch-1 row with a fixed k: expected tokens per
-    round over the round's cost (k draft steps + the verify pass over k drafts, in target steps)."""
+    round over the round's cost (k draft steps + the verify pass over k drafts, in target steps).
+    measured_tokens: the row's measured tokens per round instead of the i.i.d. prediction (which
+    underestimates where acceptance comes in runs), so that only the cost side is modelled."""
     from minispec.speculative import GREEDY_HEAD_CHUNK, expected_tokens
     k, a = row.get("k"), row.get("acceptance")
     if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"]:
         return None
     c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
-    tokens = expected_tokens(a, k)
+    tokens = row["measured_per_round"] if measured_tokens else expected_tokens(a, k)
     if row["temperature"] == 0:  # the lm_head runs once per GREEDY_HEAD_CHUNK committed tokens, ~1 step's head each
         head_calls = 1.0 + max(0.0, tokens - GREEDY_HEAD_CHUNK) / GREEDY_HEAD_CHUNK
         verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
@@ -475,16 +477,17 @@ def spec_table(res: dict) -> str:
     # each row against minispec target-only measured in the same phase (interleaved with it)
     base = {(r.get("phase", 1), r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"]
             if r["engine"] == "minispec target-only"}
-    lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | acceptance "
-             "| tokens/round measured | predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | cost model, measured "
+             "tokens/round | acceptance | tokens/round measured | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in res["rows"]:
         ref = base.get((r.get("phase", 1), r["batch"], r["temperature"]))
         k = r["k"] if not str(r["k"]).startswith("auto") or r.get("mean_k") is None else f"{r['k']} ({r['mean_k']:.1f})"
-        model = predicted_speedup(res, r)
+        model, model_m = predicted_speedup(res, r), predicted_speedup(res, r, measured_tokens=True)
         lines.append(f"| {r['engine']} | {r['batch']} | {'' if k is None else k} | {r['temperature']} | {r['tok_s']:.1f} | "
                      f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(model, '.2f')}{'x' if model else ''} | "
+                     f"{fmt(model_m, '.2f')}{'x' if model_m else ''} | "
                      f"{fmt(r.get('acceptance'), '.2f')} | "
                      f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt(r.get('predicted_per_round'), '.2f')} |")
     lines.append("")
@@ -511,23 +514,27 @@ def plot_spec(res: dict, path: str) -> None:
         print("matplotlib is not installed: pip install matplotlib to get the plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    base = {(r.get("phase", 1), r["temperature"]): r["tok_s"] for r in res["rows"]
+            if r["engine"] == "minispec target-only" and r["batch"] == 1}
+    ratio = lambda r: r["tok_s"] / base[r.get("phase", 1), r["temperature"]]  # noqa: E731
+    first = [r for r in res["rows"] if r["batch"] == 1 and r.get("phase", 1) == 1]
     for temp, style in ((0.0, "o-"), (0.7, "s--")):
-        pts = [(r["k"], r["tok_s"]) for r in res["rows"] if r["engine"] == "minispec speculate" and r["batch"] == 1
-               and r["temperature"] == temp and isinstance(r["k"], int)]
+        spec = [r for r in first if r["engine"] == "minispec speculate" and r["temperature"] == temp]
+        pts = [(r["k"], ratio(r)) for r in spec if isinstance(r["k"], int)]
         if pts:
             ax.plot(*zip(*pts), style, label=f"minispec speculate, T={temp}")
-        auto = [r["tok_s"] for r in res["rows"] if r["engine"] == "minispec speculate" and r["batch"] == 1
-                and r["temperature"] == temp and r["k"] == "auto"]
-        if auto:
-            ax.axhline(auto[0], color="C2" if temp == 0 else "C3", lw=0.8, ls=":", label=f"speculate k=auto, T={temp}")
-    colors = iter(["k", "gray", "C4", "C5", "C6"])
+        for r in (r for r in spec if r["k"] == "auto"):
+            ax.axhline(ratio(r), color="C2" if temp == 0 else "C3", lw=0.8, ls=":", label=f"speculate k=auto, T={temp}")
+    ax.axhline(1.0, color="k", lw=1, label="minispec target-only")
+    colors = iter(["tab:gray", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "gold"])
     for r in res["rows"]:
-        if r["batch"] == 1 and r["engine"] in ("minispec target-only", "transformers generate",
-                                               "transformers assisted generation") and r["temperature"] == 0.0:
-            ax.axhline(r["tok_s"], color=next(colors), lw=1, label=r["engine"])
+        if r["batch"] == 1 and not r["engine"].startswith("minispec"):
+            ax.axhline(ratio(r), color=next(colors), lw=1, ls="-" if r["temperature"] == 0 else "--",
+                       label=f"{r['engine']}, T={r['temperature']}")
     ax.set_xlabel("k (draft tokens per round)")
-    ax.set_ylabel("tokens/s (median)")
-    ax.set_title("SmolLM2-135M-Instruct, fp32, 2 CPU threads, batch 1")
+    ax.set_ylabel("tokens/s over minispec target-only (same phase)")
+    ax.set_title(f"{res.get('target', 'target')} drafted by {res.get('draft', 'draft')}, 2 CPU threads, batch 1",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
