@@ -471,12 +471,17 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
     return tokens / (verify + k * c)
 
 
+def phase_baselines(res: dict) -> dict:
+    """(phase, batch, temperature) -> minispec target-only's rate: each row is read against the target-only
+    measured in its own phase (interleaved with it)."""
+    return {(r.get("phase", 1), r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"]
+            if r["engine"] == "minispec target-only"}
+
+
 def spec_table(res: dict) -> str:
     from minispec.speculative import GREEDY_HEAD_CHUNK
     res = {**res, **{key: {int(k): v for k, v in res[key].items()} for key in ("verify_cost", "trunk_cost")}}  # JSON keys
-    # each row against minispec target-only measured in the same phase (interleaved with it)
-    base = {(r.get("phase", 1), r["batch"], r["temperature"]): r["tok_s"] for r in res["rows"]
-            if r["engine"] == "minispec target-only"}
+    base = phase_baselines(res)
     lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | cost model, measured "
              "tokens/round | acceptance | tokens/round measured | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -514,9 +519,8 @@ def plot_spec(res: dict, path: str) -> None:
         print("matplotlib is not installed: pip install matplotlib to get the plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    base = {(r.get("phase", 1), r["temperature"]): r["tok_s"] for r in res["rows"]
-            if r["engine"] == "minispec target-only" and r["batch"] == 1}
-    ratio = lambda r: r["tok_s"] / base[r.get("phase", 1), r["temperature"]]  # noqa: E731
+    base = phase_baselines(res)
+    ratio = lambda r: r["tok_s"] / base[r.get("phase", 1), r["batch"], r["temperature"]]  # noqa: E731
     first = [r for r in res["rows"] if r["batch"] == 1 and r.get("phase", 1) == 1]
     for temp, style in ((0.0, "o-"), (0.7, "s--")):
         spec = [r for r in first if r["engine"] == "minispec speculate" and r["temperature"] == temp]
