@@ -14,7 +14,8 @@ runs the best one and tries another now and then: when a step takes much longer 
 mean (the machine got busier), and otherwise after a back-off that doubles while the choice
 keeps winning (up to one try in `max_gap` steps), so a quiet machine loses almost nothing
 to the tries. A new kind of step starts at the count the last kind ran at; a slow step at one
-thread sends it to no try (more threads would not help a busier machine). Only CPU steps are tuned. Set MINISPEC_THREADS=N to fix the count instead.
+thread sends it to no try (more threads would not help a busier machine). Only CPU steps are
+tuned. Set MINISPEC_THREADS=N to fix the count instead.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def product_forms() -> tuple[str, str]:
 
     The libraries pick kernels by shape, and what they pick differs by CPU: on this AVX2 EPYC (PyTorch
     2.13) MKL's x @ w.T costs one matrix-vector pass per row for 2-9 rows, (w @ x.T).T about one pass
-    for a few rows, and oneDNN's inner product 0.6 of MKL's time at one row and 0.3-0.5 at 2-9 rows
-    (docs/benchmarks.md, 2026-12-01). Timed once per process on an 8192 x 1536 weight (larger than any
+    for a few rows, and oneDNN's inner product 0.7 of MKL's time at one row, while over a few rows the
+    transposed form led on most of a model's matrices (docs/benchmarks.md, 2026-12-01). Timed once per process on an 8192 x 1536 weight (larger than any
     cache, as a model's are), best of 5 each: about 0.3 s.
     """
     w, b = torch.randn(8192, 1536), torch.randn(8192)
