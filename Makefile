@@ -16,9 +16,9 @@ DEMO_PROMPT ?= Write a short poem about the sea.
 GGUF_DIR := weights/gguf
 CODER_TARGET := weights/qwen2.5-coder-1.5b-instruct
 CODER_SMALL := weights/qwen2.5-coder-0.5b-instruct
-# the 0.5B as a draft, stored in fp16: the form a plain from_pretrained computes in (half the bytes a draft step
-# reads; the output stays the target's). A subset head (tools/draft_head.py) did not pay on this pair:
-# docs/benchmarks.md, 2026-12-01
+# the 0.5B as a draft: stored in fp16, its config.json saying int4, so that a plain from_pretrained computes its
+# products in int4 on a CPU (an eighth of fp32's bytes a step; fp16 on a GPU); the output stays the target's.
+# A subset head (tools/draft_head.py) did not pay on this pair: docs/benchmarks.md, 2026-12-01
 CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct-draft
 CODER_PROMPT ?= Write a Python function that returns the n-th prime number, with a docstring and a doctest.
 
@@ -49,8 +49,9 @@ $(GGUF_DIR)/%.gguf: | $(STAMP)
 $(CODER_SMALL)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
 
-$(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
-	$(PY) tools/convert_gguf.py $< $(@D) --dtype float16 --overwrite
+# remade when this Makefile changes (the draft's form is set here)
+$(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf Makefile
+	$(PY) tools/convert_gguf.py $< $(@D) --dtype float16 --int4 --overwrite
 
 $(CODER_TARGET)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite

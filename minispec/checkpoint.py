@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import InputError
+from .threads import Int4Weight, int4_supported
 from .tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401 (TOKENIZER_FILES: the converters' import)
 
 WEIGHTS_NAME = "model.safetensors"
@@ -137,7 +138,10 @@ def check_state_dict(shapes: dict[str, tuple[int, ...]], expected: dict[str, tup
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(shape)}, the config expects {expected[name]}")
 
 
-def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
+def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, int4: bool | None = None):
+    """A checkpoint directory as a model on `device` (default the CPU), in `dtype` (default as stored).
+    int4: the products in int4 (Transformer.to_int4), True or False; None = as config.json's int4 says, on a CPU
+    with the kernel (elsewhere the stored dtype). An int4 model computes its activations in fp32."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist{_interrupted_hint(path)}")
@@ -163,13 +167,20 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
     tokenizer = load_tokenizer(path)
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg, str(path))
+    if int4 is None:
+        int4 = cfg.int4 and dtype in (None, torch.float32) and int4_supported(device or "cpu")
+    if int4 and dtype not in (None, torch.float32):
+        raise ValueError(f"an int4 model computes its activations in float32, not {dtype}")
     if dtype is None:
-        dtype = WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
+        dtype = torch.float32 if int4 else WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
     with torch.device("meta"):  # checked against the file: a model of the file's size, no memory yet
         model = cls(cfg)
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
     model.init_rope()  # the RoPE tables were made on the meta device: make them real (they grow with use)
-    model = model.to(device=device or "cpu", dtype=dtype)
+    model.config.int4 = False  # set again by to_int4
+    model = model.to(device=device or "cpu", dtype=None if int4 else dtype)  # int4: each matrix in fp32 only in turn
+    if int4:
+        model.to_int4()
     model.tokenizer = tokenizer
     return model
 
@@ -191,6 +202,10 @@ def check_tokenizer(tokenizer, cfg: ModelConfig, source: str) -> None:
 
 
 def save_pretrained(model, path, dtype: torch.dtype | None = None) -> None:
+    if getattr(model, "head_int4", None) is not None or any(isinstance(getattr(m, "weight", None), Int4Weight)
+                                                           for m in model.modules()):
+        raise ValueError("an int4 model is not saved: save the float checkpoint it came from, with int4 set in "
+                         "its config.json (tools/convert_gguf.py --int4)")
     state = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
              for k, v in model.state_dict().items()}
     with atomic_output_dir(path, overwrite=True) as tmp:

@@ -136,15 +136,22 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_argument, default=None,
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
-    p.add_argument("--draft-dtype", choices=DTYPES, default=None,
-                   help="the draft's compute dtype (default: as stored, except that a bfloat16 draft computes in the "
-                        "target's dtype on a CPU, where bf16 has no fast kernels); the output stays the target's")
+    p.add_argument("--draft-dtype", choices=(*DTYPES, "int4"), default=None,
+                   help="the draft's compute dtype, or int4 products on a CPU (default: as its config.json says, "
+                        "else as stored, except that a bfloat16 draft computes in the target's dtype on a CPU, where "
+                        "bf16 has no fast kernels); the output stays the target's")
 
 
 def load_draft(path: str, device, target: Transformer, dtype: str | None = None) -> Transformer:
-    """A draft in `dtype`, or as stored, except that a bfloat16 draft (SmolLM2's) computes in the target's dtype
-    on a CPU, where bf16 has no fast kernels without AMX or AVX-512 BF16. The output stays the target's."""
-    draft = Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    """A draft in `dtype` ("int4": int4 products), or as its config.json says (int4 on a CPU) or as stored, except
+    that a bfloat16 draft (SmolLM2's) computes in the target's dtype on a CPU, where bf16 has no fast kernels
+    without AMX or AVX-512 BF16. The output stays the target's."""
+    if dtype == "int4":
+        if torch.device(device or "cpu").type != "cpu":
+            raise CLIError(f"--draft-dtype int4 runs on a CPU, not {device}")
+        return Transformer.from_pretrained(path, device=device, int4=True)
+    draft = Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+                                        int4=False if dtype else None)
     if dtype is None and draft.dtype == torch.bfloat16 and draft.device.type == "cpu":
         draft = draft.to(target.dtype)
     return draft

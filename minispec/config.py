@@ -101,6 +101,7 @@ class ModelConfig:
     head_vocab_size: int | None = None  # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get logit -inf. None = every id
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
     sampled_vocab_size: int | None = None  # ids at or above this are padding rows of the embedding (Qwen2: 151,665 tokens, 151,936 rows): their logits are -inf, so they are never sampled. None = every id is a token
+    int4: bool = False  # a CPU loads the products in int4 (Model.to_int4): a draft's fast form, never a target's (not exact); stored weights stay float
     bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
     eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
 
@@ -126,7 +127,7 @@ class ModelConfig:
     def validate(self) -> None:
         for name in _COUNT_FIELDS:
             check_count(f"ModelConfig.{name}", getattr(self, name))
-        for name in ("tie_embeddings", "qkv_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "int4"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ModelConfig.{name} must be true or false, got {show(getattr(self, name))}")
         if self.n_heads % self.n_kv_heads:

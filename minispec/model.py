@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import check_token_ids
 from .generate import generate
 from .speculative import speculate
-from .threads import PRODUCTS, product_forms, tuned
+from .threads import PRODUCTS, Int4Weight, int4_supported, product_forms, tuned
 
 
 class RMSNorm(nn.Module):
@@ -105,10 +105,12 @@ def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], size
     module.register_load_state_dict_pre_hook(fuse)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: "torch.Tensor | Int4Weight", b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b; on a CPU, an fp32 product in the form this CPU computes fastest (threads.product_forms:
     one for a decode step, one for 2-512 rows, a verify pass or a batch), so that verifying k drafts costs
     about one step. (Not the forms under autograd: distillation trains through F.linear.)"""
+    if isinstance(w, Int4Weight):
+        return w(x, b)
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
@@ -206,11 +208,30 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, head, bias=False)
         # a subset head scores only head_ids; every other token gets probability 0, which keeps speculation exact
         self.register_buffer("head_ids", torch.arange(head) if cfg.head_vocab_size else None)
+        self.head_int4: Int4Weight | None = None  # the lm_head's int4 form (to_int4); the embedding stays float
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
         self.eval()
+
+    def to_int4(self) -> "Transformer":
+        """Every product in int4 (Int4Weight, on a CPU), everything else in fp32: a draft's fastest form on a
+        CPU. In place, one matrix at a time (a matrix of a shape the kernel does not take stays float); returns
+        self. Such a model is not saved: save the checkpoint it came from, with int4 set in its config.json."""
+        if not int4_supported(self.device):
+            raise ValueError(f"int4 products need PyTorch's CPU int4 kernel; this model is on {self.device}")
+        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+        for m in linears + ([self.lm_head] if self.lm_head is not None else []):
+            if isinstance(m.weight, torch.Tensor) and Int4Weight.fits(m.weight):
+                w = m.weight
+                del m.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
+                m.weight = Int4Weight(w)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if isinstance(head, Int4Weight) or Int4Weight.fits(head):  # tied: the lookup stays on the float matrix
+            self.head_int4 = head if isinstance(head, Int4Weight) else Int4Weight(head)
+        self.config.int4 = True
+        return self.to(torch.float32)
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)set the RoPE cos/sin tables: empty buffers (never saved) that grow with use, to the longest
@@ -272,7 +293,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
-        out = linear(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        out = linear(h, self.head_int4 or (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight))
         if self.head_ids is not None:  # a subset head: every other id gets -inf
             out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
         if (n := self.config.sampled_vocab_size) is not None:
@@ -322,7 +343,7 @@ class Transformer(nn.Module):
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times (minispec.threads)
-        with tuned((self.config.dim, self.config.n_layers, len(seqs), T), self.device):
+        with tuned((self.config.dim, self.config.n_layers, self.config.int4, len(seqs), T), self.device):
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:
                 return h

@@ -1,5 +1,6 @@
 """What the CPU does fastest, measured: how many threads a forward step uses (chosen by measuring
-steps as they run) and which form an fp32 product takes (`product_forms`).
+steps as they run), which form an fp32 product takes (`product_forms`), and a draft's int4
+products (`Int4Weight`).
 
 Decoding on a CPU runs one parallel matrix product after another, each only a few
 hundred microseconds long. With every core busy with minispec that is fastest with one
@@ -146,3 +147,40 @@ def product_forms() -> tuple[str, str]:
     with torch.inference_mode():
         return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
                 min(forms, key=lambda f: best(f, 4)))
+
+
+class Int4Weight:
+    """A weight matrix in int4 for a draft on a CPU: groups of 32 inputs per row, each with its own scale and
+    offset, packed for PyTorch's int4 weight-only product (`_weight_int4pack_mm_for_cpu`, bf16 activations,
+    unpacked in the kernel). An eighth of fp32's bytes, so a decode step, which reads every weight once, costs
+    far less. Not exact, and it need not be: a draft only proposes (the output stays the target's)."""
+
+    GROUP = 32
+    __slots__ = ("packed", "scales", "shape")
+
+    def __init__(self, w: torch.Tensor):
+        w = w.detach().float()
+        n, k = self.shape = tuple(w.shape)
+        g = w.reshape(n, k // self.GROUP, self.GROUP)
+        lo, hi = torch.aminmax(g, dim=-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = (g - lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        # the kernel's weight is (q - 8) * scale + zero, scales and zeros (k / GROUP, n, 2)
+        self.scales = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        """The kernel's shapes: output rows a multiple of 16, inputs of the group."""
+        return w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % cls.GROUP == 0
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed,
+                                                        self.GROUP, self.scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        return out if b is None else out + b
+
+
+def int4_supported(device: torch.device | str) -> bool:
+    """Int4Weight's kernel runs on CPUs."""
+    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

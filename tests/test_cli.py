@@ -36,6 +36,9 @@ def test_generate_plain_and_speculative_agree(smol_dirs, capsys):
     assert main(args + ["--draft", draft, "--draft-dtype", "float16"]) == 0  # the draft's precision is free
     half = capsys.readouterr()
     assert half.out == plain.out and "speculation k=auto (mean" in half.err
+    assert main(args + ["--draft", draft, "--draft-dtype", "int4", "--k", "4"]) == 0  # and so is its form
+    int4 = capsys.readouterr()
+    assert int4.out == plain.out and "speculation k=4" in int4.err
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -202,3 +202,50 @@ def test_a_float16_product_over_many_rows_is_computed_in_float32():
         got = linear(x, w, b)
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-3, atol=2e-2)
+
+
+def _int4_reference(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Asymmetric 4-bit rounding per group of `group` inputs, dequantized: what Int4Weight's kernel multiplies by."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    return (((g - lo) / s).round().clamp(0, 15) * s + lo).reshape(n, k)
+
+
+def test_int4_product_is_the_product_with_the_rounded_matrix():
+    from minispec.model import Int4Weight, linear
+    torch.manual_seed(0)
+    w, x, b = torch.randn(48, 96), torch.randn(2, 3, 96), torch.randn(48)
+    q = Int4Weight(w)
+    got = linear(x, q, b)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32
+    want = x @ _int4_reference(w).T + b
+    assert (got - want).norm() / want.norm() < 2e-2  # bf16 activations, scales and offsets
+    exact = x @ w.T + b
+    assert 0.02 < (got - exact).norm() / exact.norm() < 0.2  # 4 bits are not 32: the rounding is there
+    assert not Int4Weight.fits(torch.zeros(40, 64)) and not Int4Weight.fits(torch.zeros(48, 40))
+
+
+def test_an_int4_model_stays_close_and_drafts_exactly(tmp_path):
+    target = tiny_model(seed=3, scale=3.0)
+    tok = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    ref = target(tok)
+    target.config.int4 = True  # recorded in config.json: a plain from_pretrained loads the int4 form
+    target.save_pretrained(tmp_path / "d")
+    target.config.int4 = False
+    draft = Transformer.from_pretrained(tmp_path / "d")
+    assert draft.config.int4 and draft.dtype == torch.float32 and draft.head_int4 is not None
+    assert not any(p.dim() == 2 for n, p in draft.named_parameters() if n != "embed_tokens.weight")
+    got = draft(tok)
+    assert not torch.equal(got, ref) and (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+    assert not Transformer.from_pretrained(tmp_path / "d", int4=False).config.int4
+    assert Transformer.from_pretrained(tmp_path / "d", dtype=torch.float16).dtype == torch.float16  # float: as asked
+    with pytest.raises(ValueError, match="float32"):
+        Transformer.from_pretrained(tmp_path / "d", dtype=torch.float16, int4=True)
+    with pytest.raises(ValueError, match="not saved"):
+        draft.save_pretrained(tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+    prompt = [1, 5, 9, 2]
+    res = target.speculate(draft, prompt, k=3, max_new_tokens=24, temperature=0.0, stop_tokens=[])
+    assert res.tokens == target.generate(prompt, max_new_tokens=24, temperature=0.0, stop_tokens=[])

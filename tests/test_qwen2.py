@@ -239,3 +239,15 @@ def test_greedy_speculate_on_the_1_5b_equals_generate(coder_target, qwen):
     res = coder_target.speculate(qwen, prompt, k=4, max_new_tokens=48, temperature=0.0, stop_tokens=[])
     assert res.tokens == ref, coder_target.tokenizer.decode(res.tokens)
     assert 0.3 < res.stats.acceptance_rate < 1.0  # a real draft: agrees often, not always
+
+
+@pytest.mark.slow
+def test_greedy_speculate_with_its_int4_form_as_draft_equals_generate(qwen, qwen_greedy, hf_reference):
+    """The 0.5B's int4 form drafting for the fp32 0.5B: an inexact draft, the target's own greedy tokens."""
+    draft = Transformer.from_pretrained(DRAFT_DIR, int4=True)
+    assert draft.config.int4 and not qwen.config.int4
+    prompt = next(p for p in hf_reference["greedy"] if p.startswith("<|im_start|>"))
+    res = qwen.speculate(draft, hf_reference["greedy"][prompt][0], k=4, max_new_tokens=64, temperature=0.0,
+                         stop_tokens=[])
+    assert res.tokens == qwen_greedy[prompt]
+    assert 0.5 < res.stats.acceptance_rate  # int4 products stay close to the fp32 ones

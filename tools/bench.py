@@ -225,7 +225,9 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                 k = row["k"]
                 row.update(acceptance=a, measured_per_round=st.mean_accepted,
                            predicted_per_round=(expected_tokens(a, k) if isinstance(k, int) else None),
-                           mean_k=(statistics.mean(st.k_chosen) if st.k_chosen else None))
+                           mean_k=(statistics.mean(st.k_chosen) if st.k_chosen else None),
+                           survival=st.position_acceptance,  # [j]: P(the first j + 1 drafts all accepted)
+                           draft_s_round=st.draft_time_s / st.rounds, verify_s_round=st.verify_time_s / st.rounds)
             rows.append(row)
             print(f"  {row['engine']:<34} batch {row['batch']:>2}  k={str(row['k']):<5} T={row['temperature']:<4} "
                   f"{row['tok_s']:7.1f} tok/s" + (f"  acc {row['acceptance']:.2f}  {row['measured_per_round']:.2f}/round"
@@ -264,6 +266,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     verify_cost = {kk: step_time(target, prompts[0], kk + 1, 15) for kk in range(max(ks) + 1)}
     trunk_cost = {kk: step_time(target, prompts[0], kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft, prompts[0])
+    t_draft2 = step_time(draft, prompts[0], 2)  # a round's first draft step after a full acceptance: 2 new tokens
 
     for bsz in batch_sizes:
         if bsz == 1:
@@ -340,11 +343,12 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
     res = {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
+           "draft2_cost_ratio": t_draft2 / t_target,
            "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
-           "draft_dtype": str(draft.dtype).removeprefix("torch."), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
+           "draft_dtype": "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch."), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
     if plot:
         plot_spec(res, plot)
     return res
@@ -357,7 +361,8 @@ def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], t
     per option: acceptance, tokens per round, its decode step over the target's, end-to-end tokens/s."""
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-    drafts = [Transformer.from_pretrained(d, dtype=dt) for _, d, dt in options]
+    drafts = [Transformer.from_pretrained(d, int4=True) if dt == "int4" else Transformer.from_pretrained(d, dtype=dt, int4=False)
+              for _, d, dt in options]
     prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
 
     runs = [lambda ids, n=new_tokens: (len(target.generate(ids, max_new_tokens=n, stop_tokens=[])), None)]
@@ -452,23 +457,41 @@ def _exported(src: str) -> str:
     return str(dst)
 
 
-def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
-    """The cost model's speedup over target-only for a batch-1 row with a fixed k: expected tokens per
-    round over the round's cost (k draft steps + the verify pass over k drafts, in target steps).
-    measured_tokens: the row's measured tokens per round instead of the i.i.d. prediction (which
-    underestimates where acceptance comes in runs), so that only the cost side is modelled."""
-    from minispec.speculative import GREEDY_HEAD_CHUNK, expected_tokens
-    k, a = row.get("k"), row.get("acceptance")
-    if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"]:
+def run_tokens(res: dict, row: dict) -> tuple[float, float] | None:
+    """(tokens per round, P(all k accepted)) at the row's k from the acceptance runs of the same contender's
+    largest fixed k (its survival curve S_j = P(the first j drafts all accepted)): 1 + S_1 + ... + S_k. Acceptance
+    comes in runs (code the draft knows, then a stretch it does not), which a single per-token rate misses."""
+    k = row["k"]
+    longest = max((r for r in res["rows"] if r["engine"] == row["engine"] and r["batch"] == row["batch"]
+                   and r["temperature"] == row["temperature"] and isinstance(r["k"], int) and r.get("survival")),
+                  key=lambda r: r["k"], default=None)
+    if longest is None or not isinstance(k, int) or k > len(longest["survival"]):
         return None
-    c = 0.0 if "prompt-lookup" in row["engine"] else res["draft_cost_ratio"]
-    tokens = row["measured_per_round"] if measured_tokens else expected_tokens(a, k)
+    s = longest["survival"][:k]
+    return 1.0 + sum(s), s[-1]
+
+
+def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
+    """The cost model's speedup over target-only for a batch-1 row with a fixed k: tokens per round over the
+    round's cost, in target steps: the verify pass over k drafts, k - 1 draft steps, and the first draft step,
+    which feeds 2 new tokens after a round that accepted every draft (the last draft and the bonus token).
+    Tokens per round from the acceptance runs of the contender's largest k (run_tokens); measured_tokens: the
+    row's own measured tokens per round instead, so that only the cost side is modelled."""
+    from minispec.speculative import GREEDY_HEAD_CHUNK
+    k, a = row.get("k"), row.get("acceptance")
+    runs = run_tokens(res, row)
+    if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"] or runs is None:
+        return None
+    tokens, all_accepted = (row["measured_per_round"], runs[1]) if measured_tokens else runs
+    lookup = "prompt-lookup" in row["engine"]
+    c = 0.0 if lookup else res["draft_cost_ratio"]
+    c2 = 0.0 if lookup else res.get("draft2_cost_ratio", c)
     if row["temperature"] == 0:  # the lm_head runs once per GREEDY_HEAD_CHUNK committed tokens, ~1 step's head each
         head_calls = 1.0 + max(0.0, tokens - GREEDY_HEAD_CHUNK) / GREEDY_HEAD_CHUNK
         verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
     else:
         verify = res["verify_cost"][k]
-    return tokens / (verify + k * c)
+    return tokens / (verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c)
 
 
 def phase_baselines(res: dict) -> dict:
@@ -483,8 +506,9 @@ def spec_table(res: dict) -> str:
     res = {**res, **{key: {int(k): v for k, v in res[key].items()} for key in ("verify_cost", "trunk_cost")}}  # JSON keys
     base = phase_baselines(res)
     lines = ["| engine | batch | k | T | tokens/s | vs minispec target-only | cost model | cost model, measured "
-             "tokens/round | acceptance | tokens/round measured | predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/round | acceptance | tokens/round measured | predicted (runs) | draft + verify per round, "
+             "target steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in res["rows"]:
         ref = base.get((r.get("phase", 1), r["batch"], r["temperature"]))
@@ -494,14 +518,18 @@ def spec_table(res: dict) -> str:
                      f"{fmt(r['tok_s'] / ref if ref else None, '.2f')}x | {fmt(model, '.2f')}{'x' if model else ''} | "
                      f"{fmt(model_m, '.2f')}{'x' if model_m else ''} | "
                      f"{fmt(r.get('acceptance'), '.2f')} | "
-                     f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt(r.get('predicted_per_round'), '.2f')} |")
+                     f"{fmt(r.get('measured_per_round'), '.2f')} | {fmt((run_tokens(res, r) or (None,))[0], '.2f')} | "
+                     + (f"{r['draft_s_round'] * 1e3 / res['target_step_ms']:.2f} + "
+                        f"{r['verify_s_round'] * 1e3 / res['target_step_ms']:.2f} |" if "draft_s_round" in r else " |"))
     lines.append("")
     vc = ", ".join(f"{k}: {v:.2f} ({res['trunk_cost'][k]:.2f})" for k, v in sorted(res["verify_cost"].items()))
     lines.append(f"Draft step {res['draft_step_ms']:.1f} ms vs target step {res['target_step_ms']:.1f} ms "
-                 f"(ratio {res['draft_cost_ratio']:.3f}). The target's verify pass over k drafts, in target steps "
-                 f"(in brackets: without the lm_head): {vc}. Cost model: tokens per round predicted from the measured "
-                 f"acceptance, over k draft steps plus that verify pass (greedy: the trunk, then the lm_head once per "
-                 f"{GREEDY_HEAD_CHUNK} committed tokens). Resident memory (peak / after the run): target alone "
+                 f"(ratio {res['draft_cost_ratio']:.3f}; over 2 new tokens {res.get('draft2_cost_ratio', 0):.3f}). The "
+                 f"target's verify pass over k drafts, in target steps (in brackets: without the lm_head): {vc}. Cost "
+                 f"model: tokens per round from the acceptance runs of the largest k (1 + S_1 + ... + S_k, S_j the share "
+                 f"of rounds accepting their first j drafts), over that verify pass (greedy: the trunk, then the lm_head "
+                 f"once per {GREEDY_HEAD_CHUNK} committed tokens) plus k draft steps, the first over 2 new tokens after "
+                 f"a round that accepted all. Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
@@ -572,10 +600,10 @@ def main(argv=None) -> int:
                          plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
                          with_llama=not args.no_llama)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
-    elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head), in fp32 and fp16
+    elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head): fp32, fp16, int4
         target, draft, texts, _ = PAIRS[args.pair]
         dirs = [DRAFT_SOURCES[args.pair]] + ([args.draft] if args.draft else [])
-        options = [(Path(d).name, d, dt) for d in dirs for dt in (torch.float32, torch.float16)]
+        options = [(Path(d).name, d, dt) for d in dirs for dt in (torch.float32, torch.float16, "int4")]
         res = bench_drafts(args.target or target, options, texts[:args.prompts], args.new_tokens,
                            int(args.ks.split(",")[0]), args.repeats, args.threads)
         print(json.dumps(res, indent=2) if args.json else "\n".join(

@@ -1,6 +1,6 @@
 """Convert a llama- or qwen2-architecture GGUF file into a minispec checkpoint directory.
 
-    python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--overwrite]
+    python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--int4] [--overwrite]
 
 What a GGUF holds and what becomes of it:
 - tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants) are dequantized
@@ -525,12 +525,13 @@ def load_tensor(t, name: str, cfg: ModelConfig, permuted: bool = True) -> torch.
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", overwrite: bool = False,
-            progress: bool = True) -> ModelConfig:
+            progress: bool = True, int4: bool = False) -> ModelConfig:
     """Convert the GGUF file `src` into the minispec checkpoint directory `dst`; return its config.
 
     Everything that can be checked without dequantizing (architecture, metadata, tokenizer,
     tensor names, shapes and types) is checked first; then the tensors are dequantized and
-    written one at a time, so the peak memory is one tensor, not the model.
+    written one at a time, so the peak memory is one tensor, not the model. int4: config.json records that
+    a CPU loads the products in int4 (a draft's fast form; the stored weights stay at `dtype`).
     """
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
@@ -542,6 +543,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     check_metadata(meta, shapes, str(src))
     cfg = config_from_metadata(meta, shapes, str(src))
+    cfg.int4 = int4
     tok_files = tokenizer_files(meta)
     permuted = ROPE_PERMUTED[meta["general.architecture"]]
     entries = []
@@ -570,12 +572,16 @@ def main(argv=None) -> int:
     args = tool_parser("Convert a llama- or qwen2-architecture GGUF file into a minispec checkpoint dir.",
                        src_help="the GGUF file", dst_help="the checkpoint directory to create", src_metavar="FILE.gguf",
                        dst_metavar="DST_DIR", dtype_default="float32",
-                       dtype_help="dtype of the stored weights (default float32)").parse_args(argv)
+                       dtype_help="dtype of the stored weights (default float32)")
+    args.add_argument("--int4", action="store_true",
+                      help="record in config.json that a CPU loads the products in int4: a draft's fast form")
+    args = args.parse_args(argv)
 
     def job() -> str:
-        cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+        cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet,
+                      int4=args.int4)
         return (f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-                f"vocab {cfg.vocab_size}, {args.dtype}")
+                f"vocab {cfg.vocab_size}, {args.dtype}" + (" (int4 products on a CPU)" if args.int4 else ""))
     return run_tool(job)
 
 
