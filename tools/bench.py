@@ -267,6 +267,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     trunk_cost = {kk: step_time(target, prompts[0], kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
     t_target, t_draft = verify_cost[0], step_time(draft, prompts[0])
     t_draft2 = step_time(draft, prompts[0], 2)  # a round's first draft step after a full acceptance: 2 new tokens
+    # each call prefills the prompt: the target's (target-only pays it too) and the draft's
+    prefill = {name: step_time(m, prompts[0], len(prompts[0]), 5) for name, m in (("target", target), ("draft", draft))}
 
     for bsz in batch_sizes:
         if bsz == 1:
@@ -344,6 +346,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     res = {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
            "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
            "draft2_cost_ratio": t_draft2 / t_target,
+           "prefill_cost": {name: v / t_target for name, v in prefill.items()},  # the first prompt's, in target steps
            "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
@@ -472,9 +475,11 @@ def run_tokens(res: dict, row: dict) -> tuple[float, float] | None:
 
 
 def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
-    """The cost model's speedup over target-only for a batch-1 row with a fixed k: tokens per round over the
-    round's cost, in target steps: the verify pass over k drafts, k - 1 draft steps, and the first draft step,
-    which feeds 2 new tokens after a round that accepted every draft (the last draft and the bonus token).
+    """The cost model's speedup over target-only for a batch-1 row with a fixed k, every cost measured alone
+    in target steps: a call of n new tokens costs the prefill (the target's; speculation adds the draft's)
+    and then n / (tokens per round) rounds, each the verify pass over k drafts, k - 1 draft steps, and the
+    first draft step, which feeds 2 new tokens after a round that accepted every draft (the last draft and
+    the bonus token).
     Tokens per round from the acceptance runs of the contender's largest k (run_tokens); measured_tokens: the
     row's own measured tokens per round instead, so that only the cost side is modelled."""
     from minispec.speculative import GREEDY_HEAD_CHUNK
@@ -491,7 +496,9 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
         verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
     else:
         verify = res["verify_cost"][k]
-    return tokens / (verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c)
+    round_cost = verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c
+    n, pre = res["new_tokens"], res.get("prefill_cost", {"target": 0.0, "draft": 0.0})  # a call: prefill, then rounds
+    return (pre["target"] + n) / (pre["target"] + (0.0 if lookup else pre["draft"]) + n / tokens * round_cost)
 
 
 def phase_baselines(res: dict) -> dict:
@@ -529,7 +536,8 @@ def spec_table(res: dict) -> str:
                  f"model: tokens per round from the acceptance runs of the largest k (1 + S_1 + ... + S_k, S_j the share "
                  f"of rounds accepting their first j drafts), over that verify pass (greedy: the trunk, then the lm_head "
                  f"once per {GREEDY_HEAD_CHUNK} committed tokens) plus k draft steps, the first over 2 new tokens after "
-                 f"a round that accepted all. Resident memory (peak / after the run): target alone "
+                 f"a round that accepted all, and each call's prefill (target {res.get('prefill_cost', {}).get('target', 0):.1f}, "
+                 f"draft {res.get('prefill_cost', {}).get('draft', 0):.1f} target steps). Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
