@@ -59,7 +59,7 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
     import bench
 
     res = bench.bench_spec(*smol_dirs, new_tokens=6, repeats=1, threads=1, ks=(2,), batch_sizes=(1, 2),
-                           with_hf=True, plot=str(tmp_path / "spec.png"), quick=True)
+                           plot=str(tmp_path / "spec.png"), quick=True)
     engines = {(r["engine"], r["batch"], r["k"], r["temperature"]) for r in res["rows"]}
     assert ("minispec target-only", 1, None, 0.0) in engines and ("minispec speculate", 1, "auto", 0.7) in engines
     assert ("transformers assisted generation", 1, "hf", 0.0) in engines

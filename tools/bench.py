@@ -171,9 +171,12 @@ def step_time(model, prompt: list[int], n_tokens: int = 1, repeats: int = 30, hi
 
 
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
-               ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), with_hf: bool = True, plot: str | None = None,
+               ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), plot: str | None = None,
                quick: bool = False, texts=BENCH_PROMPTS, ggufs: tuple[str, str] | None = None,
-               with_llama: bool = True) -> dict:
+               phases=("minispec", "llama.cpp", "transformers")) -> dict:
+    """The spec benchmark in up to three phases, each re-measuring minispec target-only: minispec's own
+    contenders (target-only, speculate over ks and auto, prompt lookup, batches), llama.cpp (coder pair),
+    transformers (generate and assisted generation); `phases` names the ones to run."""
     from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
@@ -250,14 +253,16 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             return len(res.tokens), res.stats
         return over_prompts(one)
 
-    base = measure("minispec target-only", gen(0.0))
-    base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
-    for k in (*ks, "auto"):
-        measure("minispec speculate", spec(draft, k, 0.0), k=k)
-    for k in ((2, 4, "auto") if quick else (*ks, "auto")):
-        measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
-    for k in (4, "auto"):
-        measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
+    base, base_t = {"tok_s": None}, {"tok_s": None}
+    if "minispec" in phases:
+        base = measure("minispec target-only", gen(0.0))
+        base_t = measure("minispec target-only", gen(0.7), temperature=0.7)
+        for k in (*ks, "auto"):
+            measure("minispec speculate", spec(draft, k, 0.0), k=k)
+        for k in ((2, 4, "auto") if quick else (*ks, "auto")):
+            measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
+        for k in (4, "auto"):
+            measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
 
     # draft step cost relative to the target step: one decode step each, median of many; and the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
@@ -270,7 +275,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     # each call prefills the prompt: the target's (target-only pays it too) and the draft's
     prefill = {name: step_time(m, prompts[0], len(prompts[0]), 5) for name, m in (("target", target), ("draft", draft))}
 
-    for bsz in batch_sizes:
+    for bsz in batch_sizes if "minispec" in phases else ():
         if bsz == 1:
             continue
         batch = [prompts[i % len(prompts)] for i in range(bsz)]
@@ -287,7 +292,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
     run_plan()
 
-    if with_llama and ggufs is not None:  # its own phase: its copies of the weights fill the page cache too
+    if "llama.cpp" in phases and ggufs is not None:  # its own phase: its copies of the weights fill the page cache too
         bin_dir = llama_cpp_bin()
         if bin_dir is None:
             print("llama.cpp is not built (python tools/llama_cpp.py): its rows are skipped", file=sys.stderr)
@@ -305,7 +310,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
 
             run_plan()
 
-    if with_hf:  # its own phase: transformers' copies of both models do not fit in memory beside the rest
+    if "transformers" in phases:  # its own phase: transformers' copies of both models do not fit in memory beside the rest
         from transformers import AutoModelForCausalLM
         if ggufs is not None:  # loaded by transformers from the same GGUF files minispec converted
             load = lambda g: AutoModelForCausalLM.from_pretrained(str(Path(g).parent), gguf_file=Path(g).name,  # noqa: E731
@@ -590,6 +595,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (coder pair; built by `make bench`)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the spec benchmark")
     ap.add_argument("--quick", action="store_true", help="fewer k values at T=0.7")
+    ap.add_argument("--phases", default="minispec,llama.cpp,transformers",
+                    help="the spec benchmark's phases to run (default all three; each re-measures target-only)")
     ap.add_argument("--plot", default=None, help="write the spec benchmark's plot to this PNG")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="fixed k values for the spec benchmark")
@@ -604,9 +611,10 @@ def main(argv=None) -> int:
         target, draft, texts, ggufs = PAIRS[args.pair]
         res = bench_spec(args.target or target, args.draft or draft, args.new_tokens, args.repeats, args.threads,
                          ks=tuple(int(k) for k in args.ks.split(",")),
-                         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), with_hf=not args.no_hf,
+                         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                          plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
-                         with_llama=not args.no_llama)
+                         phases=[p for p in args.phases.split(",")
+                                 if not (p == "llama.cpp" and args.no_llama or p == "transformers" and args.no_hf)])
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
     elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head): fp32, fp16, int4
         target, draft, texts, _ = PAIRS[args.pair]
