@@ -89,3 +89,12 @@ def test_bench_merges_stats_over_prompts():
     assert m.acceptance_rate == 0.5 and m.mean_accepted == 8 / 3 and m.k_chosen == [4, 4, 2]
     assert m.position_drafted == [3, 3, 2, 2] and m.position_accepted == [2, 1, 1, 1]
     assert bench.merge_stats([None]) is None
+
+
+def test_bench_greedy_check_smoke(smol_dirs):
+    """tools/bench.py greedy: speculate against generate per prompt, the verdict and where they part."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+
+    res = bench.greedy_check(*smol_dirs, texts=["Name a colour.", "Count to three."], new_tokens=6, threads=1)
+    assert res["equal"] and [r["first_difference"] for r in res["rows"]] == [None, None]

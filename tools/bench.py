@@ -7,8 +7,9 @@
                                    # and assisted generation with the same draft, batch sizes 1/4/16;
                                    # a markdown table, a PNG plot, predicted vs measured tokens per round,
                                    # peak memory of target + draft beside target alone
+    python tools/bench.py greedy --pair coder   # not speed: greedy speculate equals generate on every bench prompt
     python tools/bench.py drafts --pair coder --ks 4 [--draft SUBSET_DIR]   # the pair's small model in fp32
-                                   # and fp16 (and another draft, e.g. with a subset head): acceptance, draft
+                                   # fp16 and int4 (and another draft, e.g. with a subset head): acceptance, draft
                                    # step cost, speed-up at a fixed k
 
 The memory-bandwidth floor is the fp32 weight bytes read per decode step over the
@@ -201,6 +202,9 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         machine's load hits every contender alike; a contender's rate in a round is its tokens over its time
         summed over the prompts. (Per-prompt pairs vary far less than whole passes over the prompts, which on
         this shared machine ranged up to 30% apart within one run.)"""
+        if not plan:  # a phase not asked for (--phases): its number stays taken
+            phase[0] += 1
+            return
         for _, parts in plan:  # first touch of the weights, the thread tuner: a few tokens each
             parts[0](WARM_TOKENS)
         rates: list[list[float]] = [[] for _ in plan]
@@ -401,6 +405,26 @@ def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], t
             "target_step_ms": t_target}
 
 
+def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, threads: int = 2) -> dict:
+    """Greedy speculate (k="auto", the draft as loaded by default) against greedy generate on every bench
+    prompt: exactness says the tokens are the same, token for token."""
+    torch.set_num_threads(threads)
+    target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    draft = load_draft(draft_dir, None, target)
+    rows = []
+    for i, text in enumerate(texts):
+        ids = target.tokenizer.encode_chat([{"role": "user", "content": text}])
+        ref = target.generate(ids, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+        res = target.speculate(draft, ids, k="auto", max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+        first = next((j for j, (a, b) in enumerate(zip(ref, res.tokens)) if a != b), None)
+        rows.append({"prompt": i, "equal": res.tokens == ref, "first_difference": first,
+                     "acceptance": res.stats.acceptance_rate})
+        print(f"prompt {i + 1}/{len(texts)}: {'equal' if rows[-1]['equal'] else f'differs at {first}'}",
+              file=sys.stderr, flush=True)
+    return {"rows": rows, "equal": all(r["equal"] for r in rows), "new_tokens": new_tokens,
+            "draft_form": "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch.")}
+
+
 def llama_cpp_bin() -> Path | None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llama_cpp import bin_dir
@@ -587,7 +611,7 @@ def plot_spec(res: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["core", "spec", "drafts"], nargs="?", default="spec")
+    ap.add_argument("which", choices=["core", "spec", "drafts", "greedy"], nargs="?", default="spec")
     ap.add_argument("--pair", choices=sorted(PAIRS), default="smollm2",
                     help="smollm2 (the default) or coder: Qwen2.5-Coder-1.5B drafted by its 0.5B (make weights-coder)")
     ap.add_argument("--target", default=None, help="the target checkpoint (default: the pair's)")
@@ -626,6 +650,13 @@ def main(argv=None) -> int:
             f"| {r['draft']} | {r.get('dtype', 'fp32')} | {r['tok_s']:.2f} | " + (
                 f"{r['speedup']:.2f}x | {r['acceptance']:.3f} | {r['per_round']:.2f} | {r['draft_step_ratio']:.3f} |"
                 if "speedup" in r else "1.00x | | | |") for r in res["rows"]))
+    elif args.which == "greedy":  # exactness, not speed: greedy speculate equals generate on every bench prompt
+        target, draft, texts, _ = PAIRS[args.pair]
+        res = greedy_check(args.target or target, args.draft or draft, texts[:args.prompts], args.new_tokens,
+                           args.threads)
+        print(json.dumps(res, indent=2) if args.json else
+              f"greedy speculate == generate on {sum(r['equal'] for r in res['rows'])} of {len(res['rows'])} prompts "
+              f"({res['new_tokens']} new tokens, the {res['draft_form']} draft)")
     else:
         res = bench_core(args.new_tokens, args.repeats, args.threads)
         print_core(res, args.json)
