@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, head, bias=False)
         # a subset head scores only head_ids; every other token gets probability 0, which keeps speculation exact
         self.register_buffer("head_ids", torch.arange(head) if cfg.head_vocab_size else None)
-        self.head_int4: Int4Weight | None = None  # the lm_head's int4 form (to_int4); the embedding stays float
+        self.head_int4: Int4Weight | None = None  # a tied head's int4 form (to_int4); the embedding stays float
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -227,9 +227,8 @@ class Transformer(nn.Module):
                 w = m.weight
                 del m.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
                 m.weight = Int4Weight(w)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if isinstance(head, Int4Weight) or Int4Weight.fits(head):  # tied: the lookup stays on the float matrix
-            self.head_int4 = head if isinstance(head, Int4Weight) else Int4Weight(head)
+        if self.lm_head is None and Int4Weight.fits(self.embed_tokens.weight):  # tied: the lookup stays float
+            self.head_int4 = Int4Weight(self.embed_tokens.weight)
         self.config.int4 = True
         return self.to(torch.float32)
 
@@ -293,7 +292,8 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
-        out = linear(h, self.head_int4 or (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight))
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        out = linear(h, w if self.head_int4 is None else self.head_int4)
         if self.head_ids is not None:  # a subset head: every other id gets -inf
             out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
         if (n := self.config.sampled_vocab_size) is not None:

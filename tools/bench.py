@@ -360,21 +360,21 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
-           "draft_dtype": "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch."), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
+           "draft_dtype": draft_form(draft), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
     if plot:
         plot_spec(res, plot)
     return res
 
 
-def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], texts, new_tokens: int = 128,
+def bench_drafts(target_dir: str, options: list[tuple[str, str, str]], texts, new_tokens: int = 128,
                  k: int = 4, repeats: int = 1, threads: int = 2) -> dict:
-    """Draft options side by side against one fp32 target: each (label, checkpoint, dtype) drafts greedily
+    """Draft options side by side against one fp32 target: each (label, checkpoint, form: a dtype name or "int4",
+    as load_draft takes it) drafts greedily
     at a fixed k on the same prompts, interleaved with target-only per prompt (the order alternating);
     per option: acceptance, tokens per round, its decode step over the target's, end-to-end tokens/s."""
     torch.set_num_threads(threads)
     target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-    drafts = [Transformer.from_pretrained(d, int4=True) if dt == "int4" else Transformer.from_pretrained(d, dtype=dt, int4=False)
-              for _, d, dt in options]
+    drafts = [load_draft(d, None, target, form) for _, d, form in options]
     prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
 
     runs = [lambda ids, n=new_tokens: (len(target.generate(ids, max_new_tokens=n, stop_tokens=[])), None)]
@@ -398,11 +398,16 @@ def bench_drafts(target_dir: str, options: list[tuple[str, str, torch.dtype]], t
     rows = [{"draft": "target-only", "tok_s": rate(0)}]
     for i, (label, d, dt) in enumerate(options, start=1):
         st = merge_stats(stats[i])
-        rows.append({"draft": label, "dtype": str(dt).removeprefix("torch."), "tok_s": rate(i),
+        rows.append({"draft": label, "dtype": dt, "tok_s": rate(i),
                      "speedup": rate(i) / rate(0), "acceptance": st.acceptance_rate,
                      "per_round": st.mean_accepted, "draft_step_ratio": step_time(drafts[i - 1], prompts[0], repeats=15) * 1e3 / t_target})
     return {"rows": rows, "k": k, "new_tokens": new_tokens, "prompts": len(prompts), "threads": threads,
             "target_step_ms": t_target}
+
+
+def draft_form(draft: Transformer) -> str:
+    """How a draft computes: "int4" (its products) or its dtype's name."""
+    return "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch.")
 
 
 def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, threads: int = 2) -> dict:
@@ -422,7 +427,7 @@ def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, 
         print(f"prompt {i + 1}/{len(texts)}: {'equal' if rows[-1]['equal'] else f'differs at {first}'}",
               file=sys.stderr, flush=True)
     return {"rows": rows, "equal": all(r["equal"] for r in rows), "new_tokens": new_tokens,
-            "draft_form": "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch.")}
+            "draft_form": draft_form(draft)}
 
 
 def llama_cpp_bin() -> Path | None:
@@ -643,7 +648,7 @@ def main(argv=None) -> int:
     elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head): fp32, fp16, int4
         target, draft, texts, _ = PAIRS[args.pair]
         dirs = [DRAFT_SOURCES[args.pair]] + ([args.draft] if args.draft else [])
-        options = [(Path(d).name, d, dt) for d in dirs for dt in (torch.float32, torch.float16, "int4")]
+        options = [(Path(d).name, d, form) for d in dirs for form in ("float32", "float16", "int4")]
         res = bench_drafts(args.target or target, options, texts[:args.prompts], args.new_tokens,
                            int(args.ks.split(",")[0]), args.repeats, args.threads)
         print(json.dumps(res, indent=2) if args.json else "\n".join(
