@@ -280,6 +280,10 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", metavar="OUT.png", help="write the u histograms per position (needs matplotlib)")
     p.add_argument("--device", type=device_argument, default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the target's compute dtype, for sampling and scoring (default: as stored)")
+    p.add_argument("--draft-dtype", choices=(*DTYPES, "int4"), default=None,
+                   help="the draft's compute dtype, or int4 products on a CPU (default: as generate's --draft-dtype)")
 
 
 def _check_equivalence_options(args) -> None:
@@ -288,7 +292,8 @@ def _check_equivalence_options(args) -> None:
         given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
         given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
                                       ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                                      ("--save-samples", args.save_samples)) if v is not None]
+                                      ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype))
+                  if v is not None]
         if args.engine != "minispec":
             given.append("--engine")
         if given:
@@ -307,6 +312,8 @@ def _check_equivalence_options(args) -> None:
         if args.sampler != "exact":
             raise UsageError(f"--sampler {args.sampler} is a minispec negative control; --engine {args.engine} "
                              "samples with transformers' own code")
+        if args.draft_dtype is not None:
+            raise UsageError(f"--draft-dtype is minispec's; --engine {args.engine} loads the draft with transformers")
         if args.engine == "transformers-assisted" and args.draft is None and args.hf_draft is None:
             raise UsageError("--engine transformers-assisted needs --draft DIR (exported) or --hf-draft DIR")
         if args.engine == "transformers" and (args.draft is not None or args.hf_draft is not None):
@@ -358,10 +365,11 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     _check_plot(args)
     texts = None if args.samples_file is not None else _read_prompts(args)  # fails before any model loads
     device = _device(args.device)
-    target = Transformer.from_pretrained(args.target, device=device)
+    target = Transformer.from_pretrained(args.target, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    label = lambda path, dtype: path if dtype is None else f"{path} ({dtype})"  # noqa: E731
     test = dict(seed=args.seed, alpha=args.alpha, bins=args.bins, orders=ORDERS if args.order == "both" else (args.order,),
-                reference=not args.no_reference, batch_size=args.batch_size, progress=True,
-                power_runs=args.power_runs, names={"target": args.target, "draft": args.draft})
+                reference=not args.no_reference, batch_size=args.batch_size, progress=True, power_runs=args.power_runs,
+                names={"target": label(args.target, args.dtype), "draft": label(args.draft, args.draft_dtype)})
     if args.samples_file is not None:
         report = audit_samples(target, args.samples_file, **test)
     else:
@@ -369,7 +377,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
         if args.engine == "minispec":
-            draft = args.draft if args.draft == PROMPT_LOOKUP else load_draft(args.draft, device, target)
+            draft = args.draft if args.draft == PROMPT_LOOKUP else load_draft(args.draft, device, target, args.draft_dtype)
             report = run_equivalence(target, draft, prompts, **sampling, **test)
         else:
             with exported({"target": args.hf_target or args.target,

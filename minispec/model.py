@@ -108,7 +108,9 @@ def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], size
 def linear(x: torch.Tensor, w: "torch.Tensor | Int4Weight", b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b; on a CPU, an fp32 product in the form this CPU computes fastest (threads.product_forms:
     one for a decode step, one for 2-512 rows, a verify pass or a batch), so that verifying k drafts costs
-    about one step. (Not the forms under autograd: distillation trains through F.linear.)"""
+    about one step. A bf16 product of one row is computed as two: oneDNN's bf16 kernel gives a row the same
+    bits in any product of 2 rows or more (a verify pass, a prefill), not alone, and on the Zen 4 EPYC two
+    rows also cost 0.8 of one. (Not the forms under autograd: distillation trains through F.linear.)"""
     if isinstance(w, Int4Weight):
         return w(x, b)
     rows = x.numel() // x.shape[-1]
@@ -116,10 +118,28 @@ def linear(x: torch.Tensor, w: "torch.Tensor | Int4Weight", b: torch.Tensor | No
         return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
     if x.dtype == torch.float16 and rows > 8:  # CPUs lack fast fp16 GEMMs: a row each
         return linear(x.float(), w.float(), None if b is None else b.float()).half()  # fp32 (a draft's prefill)
+    if x.dtype == torch.bfloat16:  # one row as two: a decode step then computes what a verify pass does
+        return F.linear(x.reshape(1, -1).repeat(2, 1), w, b)[:1].view(*x.shape[:-1], -1) if rows == 1 else F.linear(x, w, b)
     if x.dtype != torch.float32:
         return F.linear(x, w, b)
     form = product_forms()[rows > 1]
     return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
+
+
+def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """One sequence's attention, each query row as its own call over the keys it sees, exactly the call a
+    decode step makes for that position: q (1, H, T, D), ctx (1, 2*Hkv, L, D) with the T new tokens last.
+
+    A bf16 CPU model uses it for every pass over more than one token. SDPA's result for a row depends on
+    how many rows it is computed with (a one-query call and a row of a verify pass round differently), and
+    in bf16 such a difference is a whole unit of the 8-bit mantissa: greedy speculation would then drift
+    from greedy generation at near-ties. Row by row, a verify pass computes for each position what a
+    decode step computes (the products agree already: threads.product_forms). T calls instead of one:
+    about 3% of a 1.5B target's verify pass over 8 drafts."""
+    T, L, Hkv = q.shape[2], ctx.shape[2], n_kv_heads
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], ctx[:, :Hkv, :L - T + t + 1],
+                                                     ctx[:, Hkv:, :L - T + t + 1], enable_gqa=q.shape[1] != Hkv)
+                      for t in range(T)], dim=2)
 
 
 class Attention(nn.Module):
@@ -159,8 +179,11 @@ class Attention(nn.Module):
                 pool[meta.write_slots] = kv[:, 0] if T == 1 else kv[meta.valid]
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
-            out = F.scaled_dot_product_attention(q, ctx[:, :Hkv], ctx[:, Hkv:], attn_mask=meta.mask,
-                                                 enable_gqa=H != Hkv)
+            if B == 1 and T > 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+                out = row_wise_attention(q, ctx, Hkv)
+            else:
+                out = F.scaled_dot_product_attention(q, ctx[:, :Hkv], ctx[:, Hkv:], attn_mask=meta.mask,
+                                                     enable_gqa=H != Hkv)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return linear(out, self.o_proj.weight)
 

@@ -376,6 +376,16 @@ def test_cli_k_auto(cli_dirs, capsys):
     assert main(base + ["--k", "four"]) == 2 and "argument --k: 'four' is not an integer" in capsys.readouterr().err
 
 
+def test_cli_dtypes(cli_dirs, capsys):
+    """A bf16 target (sampled and scored in bf16) with an fp16 draft passes; the report names the dtypes."""
+    d = cli_dirs
+    rc = main(["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompt", "w1 w5 w2 w7 w3", "--samples", "100",
+               "--tokens", "3", "--no-reference", "--json", "--dtype", "bfloat16", "--draft-dtype", "float16"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["passed"] and out["settings"]["target"].endswith("(bfloat16)")
+    assert out["settings"]["draft"].endswith("(float16)")
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--sampler", "sloppy"], "argument --sampler: invalid choice: 'sloppy'"),
     (["--samples", "5"], "argument --samples: 5 is less than 10"),

@@ -183,6 +183,7 @@ def test_cli_missing_or_empty_file_exit_2(checkpoints, tmp_path, capsys):
     (["--draft", "prompt-lookup"], "--draft do(es) not apply with --samples-file"),
     (["--engine", "transformers"], "--engine do(es) not apply"),
     (["--tokens", "3", "--prompt", "x"], "--tokens, --prompt do(es) not apply"),
+    (["--draft-dtype", "float16"], "--draft-dtype do(es) not apply"),
 ])
 def test_cli_samples_file_rejects_sampling_options(checkpoints, tmp_path, capsys, extra, match):
     path = write_jsonl(tmp_path / "s.jsonl", SETTINGS, [GOOD] * 20)
@@ -227,6 +228,9 @@ def test_cli_engine_option_combinations_exit_2(checkpoints, capsys):
     assert "minispec negative control" in capsys.readouterr().err
     assert main(base + ["--engine", "transformers-assisted", "--draft", "prompt-lookup"]) == 2
     assert "prompt-lookup is minispec's own drafter" in capsys.readouterr().err
+    assert main(base + ["--engine", "transformers-assisted", "--draft", str(checkpoints / "draft"),
+                        "--draft-dtype", "int4"]) == 2
+    assert "--draft-dtype is minispec's" in capsys.readouterr().err
     assert main(base + ["--draft", str(checkpoints / "draft"), "--save-samples", "/no/such/folder/s.jsonl"]) == 2
     assert "folder /no/such/folder does not exist" in capsys.readouterr().err
 

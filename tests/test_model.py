@@ -249,3 +249,50 @@ def test_an_int4_model_stays_close_and_drafts_exactly(tmp_path):
     prompt = [1, 5, 9, 2]
     res = target.speculate(draft, prompt, k=3, max_new_tokens=24, temperature=0.0, stop_tokens=[])
     assert res.tokens == target.generate(prompt, max_new_tokens=24, temperature=0.0, stop_tokens=[])
+
+
+def _decode_and_verify_logits(m: Transformer, prompt: list[int], new: list[int], block_size: int, scatter: bool):
+    """Logits at each of `new` from one decode step per token, and from one pass over all of them (a verify)."""
+    out = []
+    for one_pass in (False, True):
+        cache = m.new_cache(num_blocks=64, block_size=block_size)
+        if scatter:  # another sequence takes blocks in between: this one's slots are not consecutive (the gather path)
+            other = cache.new_sequence()
+        s = cache.new_sequence()
+        for j, chunk in enumerate([prompt[:3], prompt[3:]]):
+            m.step(cache, [s], [chunk])
+            if scatter:
+                m.step(cache, [other], [[j + 1] * block_size])
+        if one_pass:
+            out.append(m.step(cache, [s], [new], all_logits=True)[0])
+        else:
+            out.append(torch.stack([m.step(cache, [s], [[t]])[0] for t in new]))
+    return out
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_a_bfloat16_decode_step_computes_the_bits_of_a_verify_pass(monkeypatch, scatter):
+    """In bf16 a row's logits must not depend on how many tokens its pass holds, or greedy speculation would drift
+    from greedy generation at near-ties: one-row products are computed as two (model.linear) and a pass over
+    several tokens attends row by row (model.row_wise_attention). Negative control: SDPA over all rows at once."""
+    import minispec.model as model_module
+    torch.manual_seed(3)
+    m = Transformer(ModelConfig(vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                                qkv_bias=True), dtype=torch.bfloat16)
+    prompt, new = [5, 17, 3, 90, 41, 8, 8, 60, 2, 77, 13], [33, 4, 71, 71, 12, 9, 50, 1, 26]
+    for block_size in (4, 16):
+        dec, ver = _decode_and_verify_logits(m, prompt, new, block_size, scatter)
+        assert torch.equal(dec, ver)
+    x = torch.randn(7, 64).bfloat16()
+    w = m.embed_tokens.weight
+    assert torch.equal(model_module.linear(x[:1], w), model_module.linear(x, w)[:1])
+    assert torch.equal(model_module.linear(x[:1].view(1, 1, 64), w), model_module.linear(x[:2].view(2, 1, 64), w)[:1])
+
+    def all_rows(q, ctx, n_kv_heads):  # one SDPA call over every row, causal by its mask
+        T, L = q.shape[2], ctx.shape[2]
+        mask = torch.arange(L).view(1, L) <= torch.arange(L - T, L).view(T, 1)
+        return F.scaled_dot_product_attention(q, ctx[:, :n_kv_heads], ctx[:, n_kv_heads:], attn_mask=mask,
+                                              enable_gqa=True)
+    monkeypatch.setattr(model_module, "row_wise_attention", all_rows)
+    dec, ver = _decode_and_verify_logits(m, prompt, new, 16, scatter)
+    assert torch.allclose(dec.float(), ver.float(), atol=0.1) and not torch.equal(dec, ver)

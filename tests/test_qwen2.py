@@ -251,3 +251,19 @@ def test_greedy_speculate_with_its_int4_form_as_draft_equals_generate(qwen, qwen
                          stop_tokens=[])
     assert res.tokens == qwen_greedy[prompt]
     assert 0.5 < res.stats.acceptance_rate  # int4 products stay close to the fp32 ones
+
+
+@pytest.mark.slow
+def test_a_bfloat16_target_speculates_its_own_greedy_tokens(hf_reference):
+    """The 0.5B in bf16 as the target, its int4 form drafting: greedy speculate equals the bf16 model's own greedy
+    generate on every reference prompt (bf16 rounds a row by how its pass was computed unless each row is
+    computed alike: test_model.test_a_bfloat16_decode_step_computes_the_bits_of_a_verify_pass)."""
+    target = Transformer.from_pretrained(DRAFT_DIR, dtype=torch.bfloat16)
+    draft = Transformer.from_pretrained(DRAFT_DIR, int4=True)
+    rates = []
+    for prompt, (ids, *_) in hf_reference["greedy"].items():
+        ref = target.generate(ids, max_new_tokens=48, temperature=0.0, stop_tokens=[])
+        res = target.speculate(draft, ids, k=4, max_new_tokens=48, temperature=0.0, stop_tokens=[])
+        assert res.tokens == ref, prompt
+        rates.append(res.stats.acceptance_rate)
+    assert min(rates) < 1.0  # the verify passes rejected drafts: rows after a rejection were recomputed

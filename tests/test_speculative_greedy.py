@@ -43,6 +43,25 @@ def test_greedy_equals_generate(models, prompt, k, block_size, max_new, stops, d
     assert res.stats.committed == len(want)
 
 
+@pytest.fixture(scope="module")
+def bf16_models(models):
+    target = peaked_model(0, V, n_layers=3).to(torch.bfloat16)
+    return {"target": target, "truncated": truncated(target).to(torch.bfloat16), "small": models["small"]}
+
+
+@settings(derandomize=True, deadline=None, max_examples=60)
+@given(prompt=prompt_st, k=st.integers(1, 6), block_size=st.sampled_from([1, 4, 16]), max_new=st.integers(1, 20),
+       draft=st.sampled_from(["truncated", "small"]))
+def test_greedy_equals_generate_for_a_bfloat16_target(bf16_models, prompt, k, block_size, max_new, draft):
+    """bf16 rounds a row's logits by how its pass was computed unless every row is computed alike
+    (test_model: a decode step computes the bits of a verify pass); then greedy speculation is generation."""
+    target = bf16_models["target"]
+    want = target.generate(prompt, max_new_tokens=max_new, temperature=0.0, stop_tokens=[])
+    res = target.speculate(bf16_models[draft], prompt, k=k, max_new_tokens=max_new, temperature=0.0, stop_tokens=[],
+                           block_size=block_size)
+    assert res.tokens == want
+
+
 def test_greedy_paths_are_not_trivial(models):
     # guards the test above: greedy continuations vary and the drafts are sometimes right, sometimes wrong
     target = models["target"]

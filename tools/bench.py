@@ -174,13 +174,14 @@ def step_time(model, prompt: list[int], n_tokens: int = 1, repeats: int = 30, hi
 def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: int = 3, threads: int = 2,
                ks=(1, 2, 3, 4, 5, 6, 7, 8), batch_sizes=(1, 4, 16), plot: str | None = None,
                quick: bool = False, texts=BENCH_PROMPTS, ggufs: tuple[str, str] | None = None,
-               phases=("minispec", "llama.cpp", "transformers")) -> dict:
+               phases=("minispec", "llama.cpp", "transformers"), target_dtype: str = "float32") -> dict:
     """The spec benchmark in up to three phases, each re-measuring minispec target-only: minispec's own
     contenders (target-only, speculate over ks and auto, prompt lookup, batches), llama.cpp (coder pair),
-    transformers (generate and assisted generation); `phases` names the ones to run."""
+    transformers (generate and assisted generation); `phases` names the ones to run. `target_dtype` is
+    minispec's target (the speed-ups are against minispec target-only in it); the engines stay fp32."""
     from minispec.speculative import expected_tokens
     torch.set_num_threads(threads)
-    target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    target = Transformer.from_pretrained(target_dir, dtype=getattr(torch, target_dtype))
     draft = load_draft(draft_dir, None, target)  # as stored (the coder draft is fp16), a bf16 one in fp32
     messages = [[{"role": "user", "content": p}] for p in texts]
     prompts = [target.tokenizer.encode_chat(m) for m in messages]
@@ -348,7 +349,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         del hf_target, hf_draft
 
     load = (f"import torch; torch.set_num_threads({threads}); from minispec import Transformer; "
-            f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.float32); ids = list(range(1, 40))\n")
+            f"t = Transformer.from_pretrained({target_dir!r}, dtype=torch.{target_dtype}); ids = list(range(1, 40))\n")
     mem_target = process_memory_mb(load + f"t.generate(ids, max_new_tokens={new_tokens}, stop_tokens=[])")
     mem_both = process_memory_mb(load + f"from minispec.cli import load_draft; d = load_draft({draft_dir!r}, None, t)\n"
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
@@ -360,7 +361,7 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
            "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
-           "draft_dtype": draft_form(draft), "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
+           "draft_dtype": draft_form(draft), "target_dtype": target_dtype, "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
     if plot:
         plot_spec(res, plot)
     return res
@@ -410,11 +411,12 @@ def draft_form(draft: Transformer) -> str:
     return "int4" if draft.config.int4 else str(draft.dtype).removeprefix("torch.")
 
 
-def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, threads: int = 2) -> dict:
+def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, threads: int = 2,
+                 target_dtype: str = "float32") -> dict:
     """Greedy speculate (k="auto", the draft as loaded by default) against greedy generate on every bench
-    prompt: exactness says the tokens are the same, token for token."""
+    prompt, the target in `target_dtype`: exactness says the tokens are the same, token for token."""
     torch.set_num_threads(threads)
-    target = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    target = Transformer.from_pretrained(target_dir, dtype=getattr(torch, target_dtype))
     draft = load_draft(draft_dir, None, target)
     rows = []
     for i, text in enumerate(texts):
@@ -427,7 +429,40 @@ def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, 
         print(f"prompt {i + 1}/{len(texts)}: {'equal' if rows[-1]['equal'] else f'differs at {first}'}",
               file=sys.stderr, flush=True)
     return {"rows": rows, "equal": all(r["equal"] for r in rows), "new_tokens": new_tokens,
-            "draft_form": draft_form(draft)}
+            "draft_form": draft_form(draft), "target_dtype": target_dtype}
+
+
+def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: int = 128, threads: int = 2) -> dict:
+    """How far the target in `dtype` moves from the fp32 target: over the fp32 model's own greedy continuation
+    of each prompt, per position KL(p_fp32 || p_dtype) and whether the two argmaxes agree; and how many greedy
+    tokens the `dtype` model generates before it first leaves the fp32 model's."""
+    torch.set_num_threads(threads)
+    ref = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+    low = Transformer.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+
+    def logits(model, ids: list[int], start: int) -> torch.Tensor:
+        cache = model.new_cache(num_blocks=(len(ids) + 15) // 16 + 1, block_size=16)
+        s = cache.new_sequence()
+        return model.step(cache, [s], [ids], all_logits=True)[0, start - 1:-1].float()
+
+    kls, agree, rows = [], [], []
+    for i, text in enumerate(texts):
+        ids = ref.tokenizer.encode_chat([{"role": "user", "content": text}])
+        cont = ref.generate(ids, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+        mine = low.generate(ids, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
+        with torch.inference_mode():
+            lp, lq = (torch.log_softmax(logits(m, ids + cont, len(ids)), -1) for m in (ref, low))
+        p = lp.exp()
+        kl = torch.where(p > 0, p * (lp - lq), torch.zeros(())).sum(-1)
+        kls += kl.tolist()
+        agree += (lp.argmax(-1) == lq.argmax(-1)).tolist()
+        same = next((j for j, (a, b) in enumerate(zip(cont, mine)) if a != b), len(cont))
+        rows.append({"prompt": i, "kl_mean": kl.mean().item(), "argmax_agreement": (lp.argmax(-1) == lq.argmax(-1)).float().mean().item(),
+                     "greedy_same_prefix": same})
+        print(f"prompt {i + 1}/{len(texts)}: KL {rows[-1]['kl_mean']:.2e}, argmax agreement "
+              f"{rows[-1]['argmax_agreement']:.3f}, same greedy tokens {same}/{len(cont)}", file=sys.stderr, flush=True)
+    return {"dtype": dtype, "rows": rows, "new_tokens": new_tokens, "kl_mean": statistics.fmean(kls),
+            "kl_median": statistics.median(kls), "kl_max": max(kls), "argmax_agreement": statistics.fmean(agree)}
 
 
 def llama_cpp_bin() -> Path | None:
@@ -616,7 +651,7 @@ def plot_spec(res: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["core", "spec", "drafts", "greedy"], nargs="?", default="spec")
+    ap.add_argument("which", choices=["core", "spec", "drafts", "greedy", "distance"], nargs="?", default="spec")
     ap.add_argument("--pair", choices=sorted(PAIRS), default="smollm2",
                     help="smollm2 (the default) or coder: Qwen2.5-Coder-1.5B drafted by its 0.5B (make weights-coder)")
     ap.add_argument("--target", default=None, help="the target checkpoint (default: the pair's)")
@@ -633,6 +668,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="use only the pair's first N prompts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="minispec's target dtype in spec and greedy (default float32; bfloat16 where the CPU has "
+                         "native bf16 products)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
@@ -643,7 +681,8 @@ def main(argv=None) -> int:
                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                          plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
                          phases=[p for p in args.phases.split(",")
-                                 if not (p == "llama.cpp" and args.no_llama or p == "transformers" and args.no_hf)])
+                                 if not (p == "llama.cpp" and args.no_llama or p == "transformers" and args.no_hf)],
+                         target_dtype=args.target_dtype)
         print(json.dumps(res, indent=2) if args.json else spec_table(res))
     elif args.which == "drafts":  # the pair's small model as converted, and --draft (e.g. a subset head): fp32, fp16, int4
         target, draft, texts, _ = PAIRS[args.pair]
@@ -658,10 +697,17 @@ def main(argv=None) -> int:
     elif args.which == "greedy":  # exactness, not speed: greedy speculate equals generate on every bench prompt
         target, draft, texts, _ = PAIRS[args.pair]
         res = greedy_check(args.target or target, args.draft or draft, texts[:args.prompts], args.new_tokens,
-                           args.threads)
+                           args.threads, args.target_dtype)
         print(json.dumps(res, indent=2) if args.json else
               f"greedy speculate == generate on {sum(r['equal'] for r in res['rows'])} of {len(res['rows'])} prompts "
-              f"({res['new_tokens']} new tokens, the {res['draft_form']} draft)")
+              f"({res['new_tokens']} new tokens, a {res['target_dtype']} target, the {res['draft_form']} draft)")
+    elif args.which == "distance":  # how far a bf16 target's outputs move from the fp32 target's
+        target, _, texts, _ = PAIRS[args.pair]
+        res = dtype_distance(args.target or target, texts[:args.prompts], "bfloat16", args.new_tokens, args.threads)
+        print(json.dumps(res, indent=2) if args.json else
+              f"bfloat16 against float32 over {len(res['rows'])} prompts x {res['new_tokens']} tokens: KL mean "
+              f"{res['kl_mean']:.2e}, median {res['kl_median']:.2e}, max {res['kl_max']:.2e}; argmax agreement "
+              f"{res['argmax_agreement']:.4f}")
     else:
         res = bench_core(args.new_tokens, args.repeats, args.threads)
         print_core(res, args.json)
