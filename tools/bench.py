@@ -268,6 +268,13 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             measure("minispec speculate", spec(draft, k, 0.7), k=k, temperature=0.7)
         for k in (4, "auto"):
             measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
+        if target_dtype != "float32":  # the fp32 target beside it, interleaved: the dtype's own ratio
+            ref32 = Transformer.from_pretrained(target_dir, dtype=torch.float32)
+            measure("minispec target-only (float32 target)", over_prompts(lambda ids, i, n: (len(ref32.generate(
+                ids, max_new_tokens=n, temperature=0.0, stop_tokens=[])), None)))
+            measure("minispec speculate (float32 target)", over_prompts(lambda ids, i, n: (lambda r: (
+                len(r.tokens), r.stats))(ref32.speculate(draft, ids, k="auto", max_new_tokens=n, temperature=0.0,
+                                                        stop_tokens=[]))), k="auto")
 
     # draft step cost relative to the target step: one decode step each, median of many; and the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
@@ -610,7 +617,7 @@ def spec_table(res: dict) -> str:
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
-                 f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, fp32 target, "
+                 f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, {res.get('target_dtype', 'float32')} target, "
                  f"{res.get('draft_dtype', 'float32')} draft.")
     return "\n".join(lines)
 
