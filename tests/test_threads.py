@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from minispec.threads import ThreadTuner
 
 KIND = (576, 30, 1, 1)
@@ -66,3 +70,37 @@ def test_step_sets_the_count_only_when_it_changes():
         with tuner.step(KIND) as n:
             assert n == 2
     assert calls == [2]
+
+
+def test_no_tries_of_more_threads_while_no_core_is_idle(tmp_path):
+    """Where the machine reports idle time: under a lasting load two threads can only lose, so they are not
+    tried until a core sits idle again; then a try sees the free core and the tuner moves back."""
+    from minispec.threads import idle_seconds
+    now = {"t": 0.0, "idle": 0.0}
+    tuner = ThreadTuner(max_threads=2, clock=lambda: now["t"], idle=lambda: now["idle"])
+    plain = ThreadTuner(max_threads=2)  # no idle information: tries as before
+    busy = lambda n: 0.090 if n == 2 else 0.043  # noqa: E731
+    quiet = lambda n: 0.030 if n == 2 else 0.036  # noqa: E731
+    used, used_plain = [], []
+    for i in range(3000):
+        loaded = 200 <= i < 2000
+        n = tuner.choose(KIND)
+        sec = busy(n) if loaded else quiet(n)
+        now["t"] += sec
+        now["idle"] += 0.0 if loaded or n == 2 else sec  # one thread on a quiet 2-core machine: a core idles
+        tuner.record(KIND, n, sec)
+        used.append(n)
+        m = plain.choose(KIND)
+        plain.record(KIND, m, busy(m) if loaded else quiet(m))
+        used_plain.append(m)
+    assert used[300:2000].count(2) == 0 and tuner.skipped >= 5  # no two-thread try under the load
+    assert used_plain[300:2000].count(2) >= 4  # without idle information the tries go on
+    assert used[2300:].count(2) >= 0.95 * len(used[2300:])  # the load gone: back to two threads
+    stat = tmp_path / "stat"
+    stat.write_text("\n".join(["cpu  10 0 5 300 7 0 0 0 0 0", "cpu0 5 0 2 100 3 0 0 0 0 0", "cpu1 5 0 3 200 4 0 0 0 0 0",
+                               "intr 1", ""]))
+    read = idle_seconds(str(stat))
+    tick = os.sysconf("SC_CLK_TCK")
+    own = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    assert read() == pytest.approx(((103 if "cpu0" in own else 0) + (204 if "cpu1" in own else 0)) / tick)
+    assert idle_seconds(str(tmp_path / "missing")) is None
