@@ -133,9 +133,9 @@ def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> t
     A bf16 CPU model uses it for every pass over more than one token. SDPA's result for a row depends on
     how many rows it is computed with (a one-query call and a row of a verify pass round differently), and
     in bf16 such a difference is a whole unit of the 8-bit mantissa: greedy speculation would then drift
-    from greedy generation at near-ties. Row by row, a verify pass computes for each position what a
-    decode step computes (the products agree already: threads.product_forms). T calls instead of one:
-    about 3% of a 1.5B target's verify pass over 8 drafts."""
+    from greedy generation at near-ties. Row by row, a verify pass (or a prefill) computes for each position
+    what a decode step computes (the products agree already: `linear` computes one bf16 row as two). T calls
+    instead of one: a prefill of a long prompt pays for it."""
     T, L, Hkv = q.shape[2], ctx.shape[2], n_kv_heads
     return torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], ctx[:, :Hkv, :L - T + t + 1],
                                                      ctx[:, Hkv:, :L - T + t + 1], enable_gqa=q.shape[1] != Hkv)
