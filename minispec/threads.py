@@ -14,7 +14,9 @@ step time at each candidate thread count (the default count, then halving down t
 runs the best one and tries another now and then: when a step takes much longer than its
 mean (the machine got busier), and otherwise after a back-off that doubles while the choice
 keeps winning (up to one try in `max_gap` steps), so a quiet machine loses almost nothing
-to the tries. A new kind of step starts at the count the last kind ran at; a slow step at one
+to the tries. A new kind of step starts at the count the last kind ran at, and so does a kind
+never measured at that count (a prefill comes once a call: measured once at two threads before
+a load came, it would run at two under the load for good); a slow step at one
 thread sends it to no try (more threads would not help a busier machine). A try of more threads
 than the best also needs the cores for them: where the machine says how idle its CPUs were
 (Linux's /proc/stat), a try is skipped while fewer cores sat idle than it would add, so under a
@@ -79,6 +81,9 @@ class ThreadTuner:
         best = self.best(kind)
         if self.idle_mark is None:
             self.spare_cores()  # the first mark: a later try sees the idle time since
+        means = self.mean.get(kind)
+        if means and self.last_best is not None and self.last_best not in means:
+            return self.last_best  # a kind seen before the machine changed (a prefill, once a call): where it is now
         self.since[kind] = self.since.get(kind, 0) + 1
         if kind not in self.mean or len(self.candidates) == 1 or self.since[kind] < self.gap.get(kind, self.min_gap):
             return best

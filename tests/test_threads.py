@@ -104,3 +104,19 @@ def test_no_tries_of_more_threads_while_no_core_is_idle(tmp_path):
     own = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     assert read() == pytest.approx(((103 if "cpu0" in own else 0) + (204 if "cpu1" in own else 0)) / tick)
     assert idle_seconds(str(tmp_path / "missing")) is None
+
+
+def test_a_kind_seen_once_before_the_load_runs_where_the_machine_is_now():
+    """A prefill comes once a call: measured at two threads on a quiet machine, it must not stay there once
+    every other step has moved to one thread under a load."""
+    tuner = ThreadTuner(max_threads=2)
+    prefill, decode = ("prefill",), ("decode",)
+    tuner.record(prefill, tuner.choose(prefill), 0.2)  # quiet: two threads
+    for _ in range(100):  # the load arrives: decode steps move to one thread
+        n = tuner.choose(decode)
+        tuner.record(decode, n, 0.090 if n == 2 else 0.043)
+    assert tuner.best(decode) == 1 and tuner.best(prefill) == 2
+    n = tuner.choose(prefill)
+    assert n == 1
+    tuner.record(prefill, n, 0.15)
+    assert tuner.best(prefill) == 1 and tuner.choose(prefill) == 1
