@@ -14,9 +14,10 @@ step time at each candidate thread count (the default count, then halving down t
 runs the best one and tries another now and then: when a step takes much longer than its
 mean (the machine got busier), and otherwise after a back-off that doubles while the choice
 keeps winning (up to one try in `max_gap` steps), so a quiet machine loses almost nothing
-to the tries. A new kind of step starts at the count the last kind ran at, and so does a kind
-never measured at that count (a prefill comes once a call: measured once at two threads before
-a load came, it would run at two under the load for good); a slow step at one
+to the tries. A new kind of step starts at the count the last kind ran at; a kind never measured
+at the count its family (the same model and batch, other token counts) last ran at runs there
+(a prefill comes once a call: measured once at two threads before a load came, it would run at
+two under the load for good); a slow step at one
 thread sends it to no try (more threads would not help a busier machine). A try of more threads
 than the best also needs the cores for them: where the machine says how idle its CPUs were
 (Linux's /proc/stat), a try is skipped while fewer cores sat idle than it would add, so under a
@@ -52,6 +53,7 @@ class ThreadTuner:
         self.tries: dict[tuple, int] = {}  # kind -> tries so far (they rotate over the other counts)
         self.current: int | None = None
         self.last_best: int | None = None  # the count the last kind's own steps ran at: where a new kind starts
+        self.family_best: dict[tuple, int] = {}  # kind[:-1] (one model and batch, any token count) -> its last count
         self.idle = idle
         self.idle_mark: tuple[float, float] | None = None  # (clock, idle seconds) when idle cores were last measured
         self.spare: float | None = None  # idle cores over the last measured interval
@@ -81,9 +83,9 @@ class ThreadTuner:
         best = self.best(kind)
         if self.idle_mark is None:
             self.spare_cores()  # the first mark: a later try sees the idle time since
-        means = self.mean.get(kind)
-        if means and self.last_best is not None and self.last_best not in means:
-            return self.last_best  # a kind seen before the machine changed (a prefill, once a call): where it is now
+        means, now = self.mean.get(kind), self.family_best.get(kind[:-1])
+        if means and now is not None and now not in means:
+            return now  # a kind seen before the machine changed (a prefill, once a call): where its family runs now
         self.since[kind] = self.since.get(kind, 0) + 1
         if kind not in self.mean or len(self.candidates) == 1 or self.since[kind] < self.gap.get(kind, self.min_gap):
             return best
@@ -109,7 +111,7 @@ class ThreadTuner:
             self.gap[kind] = min(self.max_gap, 2 * self.gap.get(kind, self.min_gap)) if held else self.min_gap
             return
         means[threads] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        self.last_best = threads
+        self.last_best = self.family_best[kind[:-1]] = threads
         # the machine got busier: try fewer threads soon (already at the fewest: more would not help)
         if old is not None and seconds > self.slow * old and threads > self.candidates[-1]:
             self.gap[kind] = self.min_gap

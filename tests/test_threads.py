@@ -110,12 +110,14 @@ def test_a_kind_seen_once_before_the_load_runs_where_the_machine_is_now():
     """A prefill comes once a call: measured at two threads on a quiet machine, it must not stay there once
     every other step has moved to one thread under a load."""
     tuner = ThreadTuner(max_threads=2)
-    prefill, decode = ("prefill",), ("decode",)
+    prefill, decode, other = ("target", 37), ("target", 1), ("draft", 1)  # kind[:-1]: the model (and batch)
     tuner.record(prefill, tuner.choose(prefill), 0.2)  # quiet: two threads
     for _ in range(100):  # the load arrives: decode steps move to one thread
         n = tuner.choose(decode)
         tuner.record(decode, n, 0.090 if n == 2 else 0.043)
     assert tuner.best(decode) == 1 and tuner.best(prefill) == 2
+    for _ in range(3):  # another model's steps, at two threads, do not move this model's prefill
+        tuner.record(other, 2, 0.01)
     n = tuner.choose(prefill)
     assert n == 1
     tuner.record(prefill, n, 0.15)
