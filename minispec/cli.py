@@ -142,6 +142,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "bf16 has no fast kernels); the output stays the target's")
 
 
+def load_target(path: str, device, dtype: str | None = None) -> Transformer:
+    """The target in `dtype` (a DTYPES name), or as stored."""
+    return Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+
+
 def load_draft(path: str, device, target: Transformer, dtype: str | None = None) -> Transformer:
     """A draft in `dtype` ("int4": int4 products), or as its config.json says (int4 on a CPU) or as stored, except
     that a bfloat16 draft (SmolLM2's) computes in the target's dtype on a CPU, where bf16 has no fast kernels
@@ -160,8 +165,7 @@ def load_draft(path: str, device, target: Transformer, dtype: str | None = None)
 def run_generate(args: argparse.Namespace) -> int:
     """Stream the continuation to stdout; the tokens/s (and speculation) summary goes to stderr."""
     device = _device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    target = Transformer.from_pretrained(args.target, device=device, dtype=dtype)
+    target = load_target(args.target, device, args.dtype)
     tok = target.tokenizer
     if tok is None:
         raise CLIError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); generate needs one")
@@ -365,7 +369,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     _check_plot(args)
     texts = None if args.samples_file is not None else _read_prompts(args)  # fails before any model loads
     device = _device(args.device)
-    target = Transformer.from_pretrained(args.target, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    target = load_target(args.target, device, args.dtype)
     label = lambda path, dtype: path if dtype is None else f"{path} ({dtype})"  # noqa: E731
     test = dict(seed=args.seed, alpha=args.alpha, bins=args.bins, orders=ORDERS if args.order == "both" else (args.order,),
                 reference=not args.no_reference, batch_size=args.batch_size, progress=True, power_runs=args.power_runs,

@@ -247,14 +247,14 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         """One part per bench prompt."""
         return [lambda n=new_tokens, ids=ids, i=i: run_one(ids, i, n) for i, ids in enumerate(prompts)]
 
-    def gen(temperature):
-        return over_prompts(lambda ids, i, n: (len(target.generate(ids, max_new_tokens=n, temperature=temperature,
-                                                                    seed=i, stop_tokens=[])), None))
+    def gen(temperature, model=target):
+        return over_prompts(lambda ids, i, n: (len(model.generate(ids, max_new_tokens=n, temperature=temperature,
+                                                                   seed=i, stop_tokens=[])), None))
 
-    def spec(drafter, k, temperature):
+    def spec(drafter, k, temperature, model=target):
         def one(ids, i, n):
-            res = target.speculate(drafter, ids, k=k, max_new_tokens=n, temperature=temperature, seed=i,
-                                   stop_tokens=[])
+            res = model.speculate(drafter, ids, k=k, max_new_tokens=n, temperature=temperature, seed=i,
+                                  stop_tokens=[])
             return len(res.tokens), res.stats
         return over_prompts(one)
 
@@ -270,11 +270,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             measure("minispec speculate prompt-lookup", spec("prompt-lookup", k, 0.0), k=k)
         if target_dtype != "float32":  # the fp32 target beside it, interleaved: the dtype's own ratio
             ref32 = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-            measure("minispec target-only (float32 target)", over_prompts(lambda ids, i, n: (len(ref32.generate(
-                ids, max_new_tokens=n, temperature=0.0, stop_tokens=[])), None)))
-            measure("minispec speculate (float32 target)", over_prompts(lambda ids, i, n: (lambda r: (
-                len(r.tokens), r.stats))(ref32.speculate(draft, ids, k="auto", max_new_tokens=n, temperature=0.0,
-                                                        stop_tokens=[]))), k="auto")
+            measure("minispec target-only (float32 target)", gen(0.0, ref32))
+            measure("minispec speculate (float32 target)", spec(draft, "auto", 0.0, ref32), k="auto")
 
     # draft step cost relative to the target step: one decode step each, median of many; and the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
@@ -461,10 +458,11 @@ def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: 
             lp, lq = (torch.log_softmax(logits(m, ids + cont, len(ids)), -1) for m in (ref, low))
         p = lp.exp()
         kl = torch.where(p > 0, p * (lp - lq), torch.zeros(())).sum(-1)
+        match = lp.argmax(-1) == lq.argmax(-1)
         kls += kl.tolist()
-        agree += (lp.argmax(-1) == lq.argmax(-1)).tolist()
+        agree += match.tolist()
         same = next((j for j, (a, b) in enumerate(zip(cont, mine)) if a != b), len(cont))
-        rows.append({"prompt": i, "kl_mean": kl.mean().item(), "argmax_agreement": (lp.argmax(-1) == lq.argmax(-1)).float().mean().item(),
+        rows.append({"prompt": i, "kl_mean": kl.mean().item(), "argmax_agreement": match.float().mean().item(),
                      "greedy_same_prefix": same})
         print(f"prompt {i + 1}/{len(texts)}: KL {rows[-1]['kl_mean']:.2e}, argmax agreement "
               f"{rows[-1]['argmax_agreement']:.3f}, same greedy tokens {same}/{len(cont)}", file=sys.stderr, flush=True)
