@@ -192,8 +192,12 @@ def product_forms() -> tuple[str, str]:
     The libraries pick kernels by shape, and what they pick differs by CPU: on this AVX2 EPYC (PyTorch
     2.13) MKL's x @ w.T costs one matrix-vector pass per row for 2-9 rows, (w @ x.T).T about one pass
     for a few rows, and oneDNN's inner product 0.7 of MKL's time at one row, while over a few rows the
-    transposed form led on most of a model's matrices (docs/benchmarks.md, 2026-12-01). Timed once per process on an 8192 x 1536 weight (larger than any
-    cache, as a model's are), best of 5 each: about 0.3 s.
+    transposed form led on most of a model's matrices (docs/benchmarks.md, 2026-12-01). Timed once per
+    process on an 8192 x 1536 weight (larger than any cache, as a model's are), best of 5 each, at one
+    thread: about 0.4 s. At one thread because a timing of several is only as good as the machine's
+    quiet: beside a busy process two threads wait on each other, and the Zen 4 EPYC measured then chose
+    MKL's one-row product, 2x oneDNN's there quiet, for the whole process (the ranking at one thread
+    was the quiet ranking at two, 2026-12-02).
     """
     w, b = torch.randn(8192, 1536), torch.randn(8192)
     forms = [f for f in PRODUCTS if f != "onednn" or torch.backends.mkldnn.is_available()]
@@ -205,9 +209,14 @@ def product_forms() -> tuple[str, str]:
             PRODUCTS[form](x, w, b)
             times.append(time.perf_counter() - t0)
         return min(times[1:])
-    with torch.inference_mode():
-        return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
-                min(forms, key=lambda f: best(f, 4)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
+                    min(forms, key=lambda f: best(f, 4)))
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Int4Weight:

@@ -193,6 +193,23 @@ def test_the_product_form_probe_answers_once():
     assert product_forms.cache_info().currsize == 1
 
 
+def test_the_product_forms_are_timed_at_one_thread(monkeypatch):
+    # two threads beside a busy process wait on each other: a timing there ranks the forms by the load
+    from minispec import threads
+    seen = []
+    for name, form in list(threads.PRODUCTS.items()):
+        monkeypatch.setitem(threads.PRODUCTS, name, lambda x, w, b, form=form: seen.append(torch.get_num_threads())
+                            or form(x, w, b))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads.product_forms.__wrapped__()
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+
+
 def test_a_float16_product_over_many_rows_is_computed_in_float32():
     from minispec.model import linear
     g = torch.Generator().manual_seed(1)

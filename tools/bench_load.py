@@ -1,5 +1,5 @@
 """Quiet vs one busy-loop process: SmolLM2 greedy target-only and speculate (k=auto), the thread tuner (default)
-against 2 fixed threads; interleaved, 3 repetitions each, medians."""
+against 2 fixed threads and 1; interleaved, 3 repetitions each (or the count given: bench_load.py 5), medians."""
 import statistics
 import subprocess
 import sys
@@ -19,11 +19,12 @@ a = time.perf_counter(); t.generate(ids, max_new_tokens=96, stop_tokens=[]); b =
 t.speculate(d, ids, k="auto", max_new_tokens=96, stop_tokens=[]); c = time.perf_counter()
 print(96 / (b - a), 96 / (c - b))
 '''
+reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 res = {}
 for load in ("quiet", "loaded"):
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "loaded" else None
     time.sleep(1)
-    for rep in range(3):
+    for rep in range(reps):
         for mode in (("tuner", "2", "1") if rep % 2 == 0 else ("1", "2", "tuner")):
             out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, cwd=ROOT)
             g, s = map(float, out.stdout.split())
