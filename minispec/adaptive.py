@@ -104,8 +104,9 @@ class AdaptiveK:
         """One round's outcome: per sequence drafts and acceptances; wall times of drafting (over draft_steps
         forward passes; 0: not timed) and of verifying (None: not timed)."""
         d = self.decay
-        self.successes = d * self.successes + sum(accepted)
-        self.failures = d * self.failures + sum(n < k for n, k in zip(accepted, drafted))
+        if any(drafted):  # a plain round says nothing of acceptance: it must not wear the estimate away
+            self.successes = d * self.successes + sum(accepted)
+            self.failures = d * self.failures + sum(n < k for n, k in zip(accepted, drafted))
         ema = lambda old, new: new if old is None else d * old + (1 - d) * new  # noqa: E731
         if draft_steps > 0:
             self.draft_step_s = ema(self.draft_step_s, draft_s / draft_steps)

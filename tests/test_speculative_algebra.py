@@ -218,6 +218,20 @@ def test_adaptive_k_follows_its_estimates():
     assert [ak.choose() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # plain decoding, with a probe round
 
 
+def test_plain_rounds_leave_the_acceptance_estimate_alone():
+    # while plain decoding is chosen only the probe rounds draft: decaying on every round would leave the
+    # estimate a handful of probes deep (on SmolLM2 at one thread it then swung between k = 0 and 2)
+    ak = AdaptiveK(k_max=8)
+    for _ in range(30):
+        ak.update([1], [1], draft_s=0.01, draft_steps=1, verify_s=0.1)
+        ak.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
+    weight, a = ak.successes + ak.failures, ak.acceptance
+    for _ in range(100):
+        ak.update([0], [0], draft_s=0.0, draft_steps=0, verify_s=0.08)
+    assert ak.successes + ak.failures == weight and ak.acceptance == a
+    assert ak.verify_cost(0) == pytest.approx(0.08)  # its cost is still measured
+
+
 def test_auto_k_is_carried_across_calls():
     """k="auto" keeps one estimator per (target, draft, sampling settings, batch size) from call to call."""
     target, draft = tiny(vocab_size=32), tiny(vocab_size=32)
