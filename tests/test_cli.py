@@ -66,6 +66,7 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
     assert ("minispec speculate", 2, "auto", 0.0) in engines
     assert {r["phase"] for r in res["rows"] if r["engine"].startswith("transformers")} == {2}  # a phase of its own
     assert all(r["tok_s"] > 0 for r in res["rows"])
+    assert res["cost_samples"] == len(bench.BENCH_PROMPTS)  # the step costs: one probe after every prompt's rows
     spec2 = next(r for r in res["rows"] if r["engine"] == "minispec speculate" and r["k"] == 2 and r["temperature"] == 0)
     assert 1.0 <= spec2["measured_per_round"] <= 3.0 and spec2["predicted_per_round"] >= 1.0
     table = bench.spec_table(res)

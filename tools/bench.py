@@ -197,12 +197,13 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         plan.append((row, parts))
         return row
 
-    def run_plan():
+    def run_plan(probe=None):
         """Warm every contender up (its first part), then time `repeats` rounds. In a round every prompt runs
         every contender back to back, in alternating order (a b c, then c b a, ...), so that a change in the
         machine's load hits every contender alike; a contender's rate in a round is its tokens over its time
         summed over the prompts. (Per-prompt pairs vary far less than whole passes over the prompts, which on
-        this shared machine ranged up to 30% apart within one run.)"""
+        this shared machine ranged up to 30% apart within one run.) probe(u): called after every prompt's
+        contenders, to measure something in the same hour as them (the cost model's step costs)."""
         if not plan:  # a phase not asked for (--phases): its number stays taken
             phase[0] += 1
             return
@@ -223,6 +224,8 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
                         secs[i] += own[0] if own else time.perf_counter() - t
                         tokens[i] += n
                         st[i].append(s_)
+                if probe is not None:
+                    probe(u)
             for i in range(len(plan)):
                 rates[i].append(tokens[i] / secs[i])
                 stats[i] = merge_stats(st[i])
@@ -273,16 +276,26 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
             measure("minispec target-only (float32 target)", gen(0.0, ref32))
             measure("minispec speculate (float32 target)", spec(draft, "auto", 0.0, ref32), k="auto")
 
-    # draft step cost relative to the target step: one decode step each, median of many; and the target's
+    # The cost model's inputs, each measured alone, in target decode steps: the draft's step; the target's
     # verify pass over k drafts (k + 1 tokens), which on a CPU costs more than one step and grows with k
-    # sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
-    # the lm_head over GREEDY_HEAD_CHUNK positions at a time, as long as the drafts agree (greedy_verify)
-    verify_cost = {kk: step_time(target, prompts[0], kk + 1, 15) for kk in range(max(ks) + 1)}
-    trunk_cost = {kk: step_time(target, prompts[0], kk + 1, 15, hidden=True) for kk in range(max(ks) + 1)}
-    t_target, t_draft = verify_cost[0], step_time(draft, prompts[0])
-    t_draft2 = step_time(draft, prompts[0], 2)  # a round's first draft step after a full acceptance: 2 new tokens
-    # each call prefills the prompt: the target's (target-only pays it too) and the draft's
-    prefill = {name: step_time(m, prompts[0], len(prompts[0]), 5) for name, m in (("target", target), ("draft", draft))}
+    # (sampled rounds score all k+1 positions at once; greedy rounds run the trunk over k+1 tokens and then
+    # the lm_head over GREEDY_HEAD_CHUNK positions at a time, as long as the drafts agree: greedy_verify); each
+    # call's prefill. Sampled after every prompt of the minispec phase, interleaved with its contenders: on
+    # this shared machine a decode step, which streams the weights, ran anywhere from 240 to 420 ms within
+    # an hour while the verify passes moved less (2026-12-02), so costs timed apart from the rows they
+    # predict put the model 15-20% off. Each is a probe's median of 3, divided by the same probe's step.
+    cost_samples: list[dict] = []
+
+    def cost_probe(u: int, repeats: int = 3) -> None:
+        ids = prompts[u % len(prompts)]
+        c = {("verify", kk): step_time(target, ids, kk + 1, repeats) for kk in range(max(ks) + 1)}
+        c |= {("trunk", kk): step_time(target, ids, kk + 1, repeats, hidden=True) for kk in range(max(ks) + 1)}
+        c |= {"draft": step_time(draft, ids, 1, repeats),
+              "draft2": step_time(draft, ids, 2, repeats),  # a round's first draft step after a full acceptance
+              # each call prefills the prompt: the target's (target-only pays it too) and the draft's
+              ("prefill", "target"): step_time(target, ids, len(ids), 1),
+              ("prefill", "draft"): step_time(draft, ids, len(ids), 1)}
+        cost_samples.append(c)
 
     for bsz in batch_sizes if "minispec" in phases else ():
         if bsz == 1:
@@ -299,7 +312,11 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
         measure("minispec target-only", [gen_b], batch=bsz)
         measure("minispec speculate", [spec_b], batch=bsz, k="auto")
 
-    run_plan()
+    run_plan(cost_probe)
+    if not cost_samples:  # no minispec phase: the costs measured once, here
+        cost_probe(0, 15)
+    t_target = statistics.median(c["verify", 0] for c in cost_samples)
+    cost = lambda key: statistics.median(c[key] / c["verify", 0] for c in cost_samples)  # noqa: E731
 
     if "llama.cpp" in phases and ggufs is not None:  # its own phase: its copies of the weights fill the page cache too
         bin_dir = llama_cpp_bin()
@@ -358,11 +375,11 @@ def bench_spec(target_dir: str, draft_dir: str, new_tokens: int = 128, repeats: 
     mem_both = process_memory_mb(load + f"from minispec.cli import load_draft; d = load_draft({draft_dir!r}, None, t)\n"
                                  f"t.speculate(d, ids, k=4, max_new_tokens={new_tokens}, stop_tokens=[])")
     res = {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "rows": rows, "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "prompts": len(prompts),
-           "target_step_ms": t_target * 1e3, "draft_step_ms": t_draft * 1e3, "draft_cost_ratio": t_draft / t_target,
-           "draft2_cost_ratio": t_draft2 / t_target,
-           "prefill_cost": {name: v / t_target for name, v in prefill.items()},  # the first prompt's, in target steps
-           "verify_cost": {kk: v / t_target for kk, v in verify_cost.items()},  # k drafts -> x one target step
-           "trunk_cost": {kk: v / t_target for kk, v in trunk_cost.items()},  # the same without the lm_head
+           "target_step_ms": t_target * 1e3, "draft_step_ms": statistics.median(c["draft"] for c in cost_samples) * 1e3,
+           "draft_cost_ratio": cost("draft"), "draft2_cost_ratio": cost("draft2"), "cost_samples": len(cost_samples),
+           "prefill_cost": {name: cost(("prefill", name)) for name in ("target", "draft")},  # in target steps
+           "verify_cost": {kk: cost(("verify", kk)) for kk in range(max(ks) + 1)},  # k drafts -> x one target step
+           "trunk_cost": {kk: cost(("trunk", kk)) for kk in range(max(ks) + 1)},  # the same without the lm_head
            "rss_mb_target": {"peak": mem_target[0], "after_run": mem_target[1]},
            "rss_mb_target_and_draft": {"peak": mem_both[0], "after_run": mem_both[1]},
            "draft_dtype": draft_form(draft), "target_dtype": target_dtype, "baseline_tok_s": base["tok_s"], "baseline_t07_tok_s": base_t["tok_s"]}
@@ -616,7 +633,8 @@ def spec_table(res: dict) -> str:
                  f"{res['rss_mb_target_and_draft']['peak']:.0f} / {res['rss_mb_target_and_draft']['after_run']:.0f} MB. "
                  f"{res['new_tokens']} new tokens x "
                  f"{res['prompts']} prompts, medians of {res['repeats']}, {res['threads']} threads, {res.get('target_dtype', 'float32')} target, "
-                 f"{res.get('draft_dtype', 'float32')} draft.")
+                 f"{res.get('draft_dtype', 'float32')} draft; the step costs are medians of {res.get('cost_samples', 1)} probes "
+                 f"taken between the prompts, interleaved with the rows.")
     return "\n".join(lines)
 
 
