@@ -69,10 +69,12 @@ def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: 
     return k, sample_rows(p[k].unsqueeze(0), u_next)[0]
 
 
-# Positions of one row that greedy_verify scores in one lm_head product. On a CPU (fp32, the product
-# as (w @ x.T).T) 2-4 rows cost at most one matrix-vector product and more rows more (the 151936 x 1536
-# head of Qwen2.5-Coder-1.5B, 2026-12-01: 78 / 67 / 84 / 65 / 82 / 98 ms for 1-6 rows).
-GREEDY_HEAD_CHUNK = 4
+# Positions of one row that greedy_verify scores in one lm_head product: a round of k <= 8 drafts (k="auto"'s
+# range) in one. A product's rows come cheap beside a second product: the 151936 x 1536 head of
+# Qwen2.5-Coder-1.5B cost 31 ms + 2.1 ms a row over 1-36 rows on the Zen 4 EPYC (2026-12-02; 78 / 67 / 84
+# / 65 / 82 / 98 ms for 1-6 rows on the AVX2 one), so chunks of 4 paid a second product in every round
+# that accepted 4 drafts; 9 ran greedy k=4 / 8 / auto 1.00-1.06x faster, interleaved.
+GREEDY_HEAD_CHUNK = 9
 
 
 @torch.inference_mode()

@@ -556,13 +556,19 @@ def run_tokens(res: dict, row: dict) -> tuple[float, float] | None:
     largest fixed k (its survival curve S_j = P(the first j drafts all accepted)): 1 + S_1 + ... + S_k. Acceptance
     comes in runs (code the draft knows, then a stretch it does not), which a single per-token rate misses."""
     k = row["k"]
+    s = longest_survival(res, row)
+    if not isinstance(k, int) or k > len(s):
+        return None
+    s = s[:k]
+    return 1.0 + sum(s), s[-1]
+
+
+def longest_survival(res: dict, row: dict) -> list[float]:
+    """The survival curve of the same contender's largest fixed k ([] if none)."""
     longest = max((r for r in res["rows"] if r["engine"] == row["engine"] and r["batch"] == row["batch"]
                    and r["temperature"] == row["temperature"] and isinstance(r["k"], int) and r.get("survival")),
                   key=lambda r: r["k"], default=None)
-    if longest is None or not isinstance(k, int) or k > len(longest["survival"]):
-        return None
-    s = longest["survival"][:k]
-    return 1.0 + sum(s), s[-1]
+    return [] if longest is None else longest["survival"]
 
 
 def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
@@ -582,9 +588,11 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
     lookup = "prompt-lookup" in row["engine"]
     c = 0.0 if lookup else res["draft_cost_ratio"]
     c2 = 0.0 if lookup else res.get("draft2_cost_ratio", c)
-    if row["temperature"] == 0:  # the lm_head runs once per GREEDY_HEAD_CHUNK committed tokens, ~1 step's head each
-        head_calls = 1.0 + max(0.0, tokens - GREEDY_HEAD_CHUNK) / GREEDY_HEAD_CHUNK
-        verify = res["trunk_cost"][k] + head_calls * (1.0 - res["trunk_cost"][0])
+    if row["temperature"] == 0:  # the trunk, then the lm_head over each chunk of positions reached (greedy_verify)
+        surv = [1.0, *longest_survival(res, row)]  # surv[j]: P(the first j drafts all accepted)
+        head = lambda n: res["verify_cost"][n - 1] - res["trunk_cost"][n - 1]  # noqa: E731  (the head over n rows)
+        verify = res["trunk_cost"][k] + sum(surv[j0] * head(min(GREEDY_HEAD_CHUNK, k + 1 - j0))
+                                            for j0 in range(0, k + 1, GREEDY_HEAD_CHUNK))
     else:
         verify = res["verify_cost"][k]
     round_cost = verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c
@@ -626,7 +634,7 @@ def spec_table(res: dict) -> str:
                  f"target's verify pass over k drafts, in target steps (in brackets: without the lm_head): {vc}. Cost "
                  f"model: tokens per round from the acceptance runs of the largest k (1 + S_1 + ... + S_k, S_j the share "
                  f"of rounds accepting their first j drafts), over that verify pass (greedy: the trunk, then the lm_head "
-                 f"once per {GREEDY_HEAD_CHUNK} committed tokens) plus k draft steps, the first over 2 new tokens after "
+                 f"over each chunk of {GREEDY_HEAD_CHUNK} positions the round reaches) plus k draft steps, the first over 2 new tokens after "
                  f"a round that accepted all, and each call's prefill (target {res.get('prefill_cost', {}).get('target', 0):.1f}, "
                  f"draft {res.get('prefill_cost', {}).get('draft', 0):.1f} target steps). Resident memory (peak / after the run): target alone "
                  f"{res['rss_mb_target']['peak']:.0f} / {res['rss_mb_target']['after_run']:.0f} MB, target + draft "
