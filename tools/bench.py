@@ -582,12 +582,11 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
     from minispec.speculative import GREEDY_HEAD_CHUNK
     k, a = row.get("k"), row.get("acceptance")
     runs = run_tokens(res, row)
-    if row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"] or runs is None:
+    if (row["batch"] != 1 or not isinstance(k, int) or a is None or k not in res["verify_cost"] or runs is None
+            or "prompt-lookup" in row["engine"]):  # prompt lookup drafts fewer than k where its match is short
         return None
     tokens, all_accepted = (row["measured_per_round"], runs[1]) if measured_tokens else runs
-    lookup = "prompt-lookup" in row["engine"]
-    c = 0.0 if lookup else res["draft_cost_ratio"]
-    c2 = 0.0 if lookup else res.get("draft2_cost_ratio", c)
+    c, c2 = res["draft_cost_ratio"], res.get("draft2_cost_ratio", res["draft_cost_ratio"])
     if row["temperature"] == 0:  # the trunk, then the lm_head over each chunk of positions reached (greedy_verify)
         surv = [1.0, *longest_survival(res, row)]  # surv[j]: P(the first j drafts all accepted)
         head = lambda n: res["verify_cost"][n - 1] - res["trunk_cost"][n - 1]  # noqa: E731  (the head over n rows)
@@ -597,7 +596,7 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
         verify = res["verify_cost"][k]
     round_cost = verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c
     n, pre = res["new_tokens"], res.get("prefill_cost", {"target": 0.0, "draft": 0.0})  # a call: prefill, then rounds
-    return (pre["target"] + n) / (pre["target"] + (0.0 if lookup else pre["draft"]) + n / tokens * round_cost)
+    return (pre["target"] + n) / (pre["target"] + pre["draft"] + n / tokens * round_cost)
 
 
 def phase_baselines(res: dict) -> dict:
