@@ -36,7 +36,10 @@ class AdaptiveK:
 
     Acceptance: decayed successes (accepted drafts) and failures (rejections); costs: decayed averages of
     the measured draft-step time and, per k, of the verify time (see verify_cost). While plain decoding
-    is chosen, one round in `probe_every` drafts a single token to keep the estimates fresh.
+    is chosen, a probe round drafts a single token to keep the estimates fresh: after `probe_every` plain
+    rounds, then after twice as many each time plain decoding is still chosen, up to `probe_max`: a probe
+    costs a draft pass over the tokens since the last and a two-token verify pass, which is all k="auto"
+    loses against plain decoding where speculation does not pay.
 
     The decay (0.97 a round) keeps about 30 rounds in view: at 0.9 the estimates followed each rejection,
     and on Qwen2.5-Coder k="auto" ran 0.98 of the best fixed k greedy and 1.00 at T=0.7, against 1.05
@@ -48,8 +51,10 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int = 8, decay: float = 0.97, probe_every: int = 8, k_start: int = 2,
-                 cost_ratio: float | None = None):
+                 cost_ratio: float | None = None, probe_max: int = 64):
         check_int("k_max", k_max, 1)
+        check_int("probe_every", probe_every, 1)
+        check_int("probe_max", probe_max, probe_every)
         if cost_ratio is not None and not cost_ratio >= 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
         self.k_max, self.decay, self.probe_every, self.cost_ratio = k_max, decay, probe_every, cost_ratio
@@ -57,7 +62,9 @@ class AdaptiveK:
         self.successes = self.failures = 0.0
         self.draft_step_s: float | None = None
         self.verify_s: dict[int, float] = {}  # k drafted in the round -> decayed mean verify seconds
-        self.plain_rounds = 0
+        self.probe_max = probe_max
+        self.plain_rounds = 0  # plain rounds since the last probe (or since speculation was last chosen)
+        self.probe_gap = probe_every  # plain rounds before the next probe
 
     @property
     def acceptance(self) -> float:
@@ -96,7 +103,11 @@ class AdaptiveK:
                        [self.verify_cost(j) / unit for j in range(self.k_max + 1)])
         if k == 0:
             self.plain_rounds += 1
-            return 1 if self.plain_rounds % self.probe_every == 0 else 0  # a probe keeps the estimates fresh
+            if self.plain_rounds < self.probe_gap:
+                return 0
+            self.plain_rounds, self.probe_gap = 0, min(self.probe_max, 2 * self.probe_gap)
+            return 1  # a probe keeps the estimates fresh
+        self.plain_rounds, self.probe_gap = 0, self.probe_every
         return k
 
     def update(self, drafted: list[int], accepted: list[int], draft_s: float, draft_steps: int,

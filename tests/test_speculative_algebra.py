@@ -215,7 +215,17 @@ def test_adaptive_k_follows_its_estimates():
     assert ak.acceptance == pytest.approx(7 / 8) and ak.choose() == best_k(7 / 8, 0.1) >= 4
     for _ in range(200):  # the text changes: nothing is accepted any more
         ak.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
-    assert [ak.choose() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # plain decoding, with a probe round
+    # plain decoding, with a probe round after 4, then 8, then 16 plain rounds (the gap doubles up to probe_max)
+    assert [ak.choose() for _ in range(31)] == [0] * 3 + [1] + [0] * 7 + [1] + [0] * 15 + [1] + [0] * 3
+    for _ in range(30):  # the draft is good again: speculation, and probes at the first gap once plain again
+        ak.update([4], [4], draft_s=0.04, draft_steps=4, verify_s=0.1)
+    assert ak.choose() >= 4
+    for _ in range(200):
+        ak.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
+    assert [ak.choose() for _ in range(4)] == [0, 0, 0, 1]
+    capped = AdaptiveK(probe_every=2, probe_max=4, cost_ratio=1.0)
+    capped.update([1], [0], draft_s=0.01, draft_steps=1, verify_s=0.1)
+    assert [capped.choose() for _ in range(15)] == [0, 1] + [0, 0, 0, 1] * 3 + [0]
 
 
 def test_plain_rounds_leave_the_acceptance_estimate_alone():
