@@ -92,6 +92,31 @@ def test_bench_merges_stats_over_prompts():
     assert bench.merge_stats([None]) is None
 
 
+def test_bench_cost_model_arithmetic(monkeypatch):
+    """The cost model on hand-worked figures: target-only's measured time per token over the modelled one."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+    from minispec import speculative
+
+    res = {"new_tokens": 10, "target_step_ms": 100.0, "draft_cost_ratio": 0.1, "draft2_cost_ratio": 0.2,
+           "prefill_cost": {"target": 2.0, "draft": 1.0}, "verify_cost": {0: 1.0, 1: 1.3, 2: 1.4},
+           "trunk_cost": {0: 0.8, 1: 1.0, 2: 1.1},
+           "rows": [{"engine": "minispec target-only", "batch": 1, "k": None, "temperature": t, "tok_s": 5.0}
+                    for t in (0.0, 0.7)]}
+    spec = [{"engine": "minispec speculate", "batch": 1, "k": 2, "temperature": t, "tok_s": 9.0,
+             "acceptance": 0.75, "measured_per_round": 2.5, "survival": [1.0, 0.5]} for t in (0.0, 0.7)]
+    res["rows"] += spec
+    # 1 + S_1 + S_2 = 2.5 tokens a round; a round: the verify pass, 1 draft step, the first over 2 tokens half
+    # the time: 1.4 + 0.1 + 0.5 * 0.2 + 0.5 * 0.1 = 1.65 steps; a call: (2 + 1 + 10 / 2.5 * 1.65) steps over
+    # 10 tokens at 0.1 s a step = 0.096 s a token, against target-only's 0.2
+    assert bench.predicted_speedup(res, spec[1]) == pytest.approx(0.2 / 0.096)  # T=0.7: all k+1 logits, 1.4
+    assert bench.predicted_speedup(res, spec[0]) == pytest.approx(0.2 / 0.096)  # greedy: trunk 1.1 + head 0.3
+    monkeypatch.setattr(speculative, "GREEDY_HEAD_CHUNK", 2)  # 2 positions, then the third if both accepted:
+    # 1.1 + 1.0 * (1.3 - 1.0) + 0.5 * (1.0 - 0.8) = 1.5 steps of verify, 1.75 a round, 0.1 s a token
+    assert bench.predicted_speedup(res, spec[0]) == pytest.approx(0.2 / 0.1)
+    assert bench.predicted_speedup(res, {**spec[0], "engine": "minispec speculate prompt-lookup"}) is None
+
+
 def test_bench_greedy_check_smoke(smol_dirs):
     """tools/bench.py greedy: speculate against generate per prompt, the verdict and where they part."""
     sys.path.insert(0, str(ROOT / "tools"))

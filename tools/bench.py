@@ -572,11 +572,16 @@ def longest_survival(res: dict, row: dict) -> list[float]:
 
 
 def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> float | None:
-    """The cost model's speedup over target-only for a batch-1 row with a fixed k, every cost measured alone
-    in target steps: a call of n new tokens costs the prefill (the target's; speculation adds the draft's)
-    and then n / (tokens per round) rounds, each the verify pass over k drafts, k - 1 draft steps, and the
+    """The cost model's speedup over target-only for a batch-1 row with a fixed k: target-only's measured
+    time per token in the row's phase over the model's time per token for the row, built from costs measured
+    alone (the probes, in target steps of target_step_ms): a call of n new tokens costs both prefills and
+    then n / (tokens per round) rounds, each the verify pass over k drafts, k - 1 draft steps, and the
     first draft step, which feeds 2 new tokens after a round that accepted every draft (the last draft and
     the bonus token).
+    The baseline is the row measured beside the others, not a probe: a decode step streams the weights, and
+    here its time moved by 20% within a minute with the neighbours' memory traffic while the compute-bound
+    verify passes moved by 5% (2026-12-02): probes of the step between the prompts put the model 6-12% under
+    the rows' speed-ups, the baseline's own time 0-7%.
     Tokens per round from the acceptance runs of the contender's largest k (run_tokens); measured_tokens: the
     row's own measured tokens per round instead, so that only the cost side is modelled."""
     from minispec.speculative import GREEDY_HEAD_CHUNK
@@ -596,7 +601,11 @@ def predicted_speedup(res: dict, row: dict, measured_tokens: bool = False) -> fl
         verify = res["verify_cost"][k]
     round_cost = verify + (k - 1) * c + all_accepted * c2 + (1 - all_accepted) * c
     n, pre = res["new_tokens"], res.get("prefill_cost", {"target": 0.0, "draft": 0.0})  # a call: prefill, then rounds
-    return (pre["target"] + n) / (pre["target"] + pre["draft"] + n / tokens * round_cost)
+    base = phase_baselines(res).get((row.get("phase", 1), row["batch"], row["temperature"]))
+    if not base:
+        return None
+    seconds_per_token = (pre["target"] + pre["draft"] + n / tokens * round_cost) / n * res["target_step_ms"] / 1e3
+    return 1.0 / base / seconds_per_token
 
 
 def phase_baselines(res: dict) -> dict:
@@ -631,7 +640,7 @@ def spec_table(res: dict) -> str:
     lines.append(f"Draft step {res['draft_step_ms']:.1f} ms vs target step {res['target_step_ms']:.1f} ms "
                  f"(ratio {res['draft_cost_ratio']:.3f}; over 2 new tokens {res.get('draft2_cost_ratio', 0):.3f}). The "
                  f"target's verify pass over k drafts, in target steps (in brackets: without the lm_head): {vc}. Cost "
-                 f"model: tokens per round from the acceptance runs of the largest k (1 + S_1 + ... + S_k, S_j the share "
+                 f"model: the speculative row's time per token against target-only's measured beside it; tokens per round from the acceptance runs of the largest k (1 + S_1 + ... + S_k, S_j the share "
                  f"of rounds accepting their first j drafts), over that verify pass (greedy: the trunk, then the lm_head "
                  f"over each chunk of {GREEDY_HEAD_CHUNK} positions the round reaches) plus k draft steps, the first over 2 new tokens after "
                  f"a round that accepted all, and each call's prefill (target {res.get('prefill_cost', {}).get('target', 0):.1f}, "
