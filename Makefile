@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup test test-fast demo weights weights-coder weights-coder-draft demo-coder bench bench-coder clean
+.PHONY: setup lint check-wheel test test-fast demo weights weights-coder weights-coder-draft demo-coder bench bench-coder clean
 
 TARGET := weights/smollm2-135m-instruct
 DRAFT := weights/smollm2-135m-draft
@@ -64,6 +64,14 @@ weights-coder: weights-coder-draft $(CODER_DRAFT)/model.safetensors $(CODER_TARG
 
 test: setup weights weights-coder-draft
 	$(PY) -m pytest -q
+
+# ruff, configured in pyproject.toml; CI runs it on the whole tree
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# a wheel of this checkout installed into a fresh virtual environment elsewhere runs generate and equivalence
+check-wheel: setup weights
+	bash .ci/check_wheel.sh $(PY)
 
 test-fast: setup weights
 	$(PY) -m pytest -q -m "not slow"
