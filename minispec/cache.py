@@ -91,7 +91,8 @@ class PagedKVCache:
         """A fixed pool of num_blocks blocks, or of as many as memory_bytes holds; given neither, a pool
         that grows on demand, without bound or up to max_blocks blocks."""
         check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
-        bytes_per_block = 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        bytes_per_block = 2 * n_layers * block_size * n_kv_heads * head_dim * itemsize
         self.growable = num_blocks is None and memory_bytes is None
         if max_blocks is not None and not self.growable:
             raise ValueError("max_blocks bounds a growing cache: give it without num_blocks and memory_bytes")
@@ -99,13 +100,15 @@ class PagedKVCache:
         if num_blocks is None and memory_bytes is not None:
             num_blocks = check_int("memory_bytes", memory_bytes, 0) // bytes_per_block
             if num_blocks < 1:
-                raise ValueError(f"memory_bytes={memory_bytes} holds no block (one block needs {bytes_per_block} bytes)")
+                raise ValueError(f"memory_bytes={memory_bytes} holds no block "
+                                 f"(one block needs {bytes_per_block} bytes)")
         self.block_size = block_size
         self.allocator = BlockAllocator(0 if self.growable else num_blocks, allow_empty=self.growable)
         # (n_layers, num_blocks * block_size, 2 * n_kv_heads, head_dim): a flat slot axis per layer,
         # keys in the first n_kv_heads rows of a slot, values in the rest
         self.n_kv_heads = n_kv_heads
-        self.kv = torch.zeros((n_layers, self.num_blocks * block_size, 2 * n_kv_heads, head_dim), dtype=dtype, device=device)
+        self.kv = torch.zeros((n_layers, self.num_blocks * block_size, 2 * n_kv_heads, head_dim), dtype=dtype,
+                              device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -263,4 +266,5 @@ class PagedKVCache:
         assert counts == self.allocator.refcount, "refcounts differ from block-table references"
         free = set(self.allocator.free_ids)
         assert len(free) == len(self.allocator.free_ids), "a block is on the free list twice"
-        assert free == {b for b in range(self.num_blocks) if counts[b] == 0}, "free list differs from unreferenced blocks"
+        unreferenced = {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert free == unreferenced, "free list differs from unreferenced blocks"

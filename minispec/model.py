@@ -6,6 +6,9 @@ SwiGLU feed-forward, tied or untied lm_head. Module names follow the Hugging Fac
 is a full causal forward that keeps no state; `model.step(cache, seqs, new_tokens)` appends ragged new
 tokens to the sequences' paged KV cache (prefill and decode). The data flow: docs/design.md.
 
+The maths is here; how a CPU computes each product, attention and norm fastest is in minispec.kernels
+(`kernels.linear`, `kernels.attention`, `kernels.rms_norm`), which one switch turns off.
+
 References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoFormer), Ainslie et al. 2023 (GQA),
 Shazeer 2020 (GLU variants), Kwon et al. 2023 (PagedAttention).
 """
@@ -18,32 +21,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import ModelConfig
-from .errors import check_token_ids
+from .errors import check_token_ids, resolve_device, resolve_dtype
 from .generate import generate
+from .kernels import Int4Weight, int4_supported
 from .speculative import speculate
-from .threads import PRODUCTS, Int4Weight, int4_supported, product_forms, tuned
+from .threads import tuned
 
 
 class RMSNorm(nn.Module):
+    """weight * x / sqrt(mean(x^2) + eps), over the last axis (normalised in fp32: kernels.rms_norm)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps), normalised in fp32 as Hugging Face does, cast back, then scaled
-        # (F.rms_norm is more kernels on a CPU, no faster). One fp32 row (a decode step): its sum of squares
-        # is one dot product and the scale a Python float (so inference only), 3 kernels instead of 7, 60 a
-        # step (with the K/V write below, 2% of a SmolLM2-135M CPU decode step and 5% of its draft's)
-        if x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
-            v = x.reshape(-1)
-            return torch.mul(x, self.weight).mul_((float(torch.dot(v, v)) / v.shape[0] + self.eps) ** -0.5)
-        xf = x.float()
-        xf = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(self.eps))
-        return self.weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -105,43 +103,6 @@ def fuse_projections(module: nn.Module, fused: str, parts: tuple[str, ...], size
     module.register_load_state_dict_pre_hook(fuse)
 
 
-def linear(x: torch.Tensor, w: "torch.Tensor | Int4Weight", b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b; on a CPU, an fp32 product in the form this CPU computes fastest (threads.product_forms:
-    one for a decode step, one for 2-512 rows, a verify pass or a batch), so that verifying k drafts costs
-    about one step. A bf16 product of one row is computed as two: oneDNN's bf16 kernel gives a row the same
-    bits in any product of 2 rows or more (a verify pass, a prefill), not alone, and on the Zen 4 EPYC two
-    rows also cost 0.8 of one. (Not the forms under autograd: distillation trains through F.linear.)"""
-    if isinstance(w, Int4Weight):
-        return w(x, b)
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        return F.linear(x, w, b)  # F.linear on the weights directly: a module call costs microseconds, 120 a step
-    if x.dtype == torch.float16 and rows > 8:  # CPUs lack fast fp16 GEMMs: a row each
-        return linear(x.float(), w.float(), None if b is None else b.float()).half()  # fp32 (a draft's prefill)
-    if x.dtype == torch.bfloat16:  # one row as two: a decode step then computes what a verify pass does
-        return F.linear(x.reshape(1, -1).repeat(2, 1), w, b)[:1].view(*x.shape[:-1], -1) if rows == 1 else F.linear(x, w, b)
-    if x.dtype != torch.float32:
-        return F.linear(x, w, b)
-    form = product_forms()[rows > 1]
-    return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
-
-
-def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """One sequence's attention, each query row as its own call over the keys it sees, exactly the call a
-    decode step makes for that position: q (1, H, T, D), ctx (1, 2*Hkv, L, D) with the T new tokens last.
-
-    A bf16 CPU model uses it for every pass over more than one token. SDPA's result for a row depends on
-    how many rows it is computed with (a one-query call and a row of a verify pass round differently), and
-    in bf16 such a difference is a whole unit of the 8-bit mantissa: greedy speculation would then drift
-    from greedy generation at near-ties. Row by row, a verify pass (or a prefill) computes for each position
-    what a decode step computes (the products agree already: `linear` computes one bf16 row as two). T calls
-    instead of one: a prefill of a long prompt pays for it."""
-    T, L, Hkv = q.shape[2], ctx.shape[2], n_kv_heads
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], ctx[:, :Hkv, :L - T + t + 1],
-                                                     ctx[:, Hkv:, :L - T + t + 1], enable_gqa=q.shape[1] != Hkv)
-                      for t in range(T)], dim=2)
-
-
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache (or, with no cache, plain causal attention).
 
@@ -160,7 +121,7 @@ class Attention(nn.Module):
                 pool: torch.Tensor | None, meta: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
+        qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # queries and keys rotated together: (B, T, H+Hkv, D)
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
         if pool is None:  # full causal forward over exactly these tokens
@@ -179,20 +140,16 @@ class Attention(nn.Module):
                 pool[meta.write_slots] = kv[:, 0] if T == 1 else kv[meta.valid]
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
-            if B == 1 and T > 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
-                out = row_wise_attention(q, ctx, Hkv)
-            else:
-                out = F.scaled_dot_product_attention(q, ctx[:, :Hkv], ctx[:, Hkv:], attn_mask=meta.mask,
-                                                     enable_gqa=H != Hkv)
+            out = kernels.attention(q, ctx, meta.mask, Hkv)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return linear(out, self.o_proj.weight)
+        return kernels.linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)).
 
-    gate and up stay two products: fusing them like q/k/v copies 212 MB of SmolLM2-135M's weights out
-    of the memory-mapped checkpoint (the mapped pages stay resident too) for no measurable speed-up.
+    gate and up stay two products: fusing them like q/k/v would copy their weights out of the memory-mapped
+    checkpoint (whose pages stay resident too) for no measured speed-up (docs/benchmarks.md, "Product forms").
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -202,8 +159,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
-                        self.down_proj.weight)
+        h = F.silu(kernels.linear(x, self.gate_proj.weight)) * kernels.linear(x, self.up_proj.weight)
+        return kernels.linear(h, self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -222,6 +179,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        device, dtype = resolve_device(device), resolve_dtype(dtype)  # before any weight is made
         self.config = cfg = config
         self.tokenizer = None  # attached by from_pretrained when the checkpoint has one
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -238,7 +196,7 @@ class Transformer(nn.Module):
             self.to(device=device, dtype=dtype)
         self.eval()
 
-    def to_int4(self) -> "Transformer":
+    def to_int4(self) -> Transformer:
         """Every product in int4 (Int4Weight, on a CPU), everything else in fp32: a draft's fastest form on a
         CPU. In place, one matrix at a time (a matrix of a shape the kernel does not take stays float); returns
         self. Such a model is not saved: save the checkpoint it came from, with int4 set in its config.json."""
@@ -263,7 +221,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", empty.clone(), persistent=False)  # signed: see apply_rope
 
     def _rope_tables(self, end: int) -> None:
-        """Make the RoPE tables cover positions [0, end): rebuilt for at least twice their length, at most max_seq_len."""
+        """Make the RoPE tables cover positions [0, end): rebuilt for at least twice their length, at most
+        max_seq_len."""
         have = self.rope_cos.shape[0]
         if end <= have:
             return
@@ -273,7 +232,8 @@ class Transformer(nn.Module):
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
             # fp32 angles on the CPU, their cos/sin in fp64 rounded to fp32: a position's values depend on neither
             # the table's length nor the device (regrowing changes no row); then the model's device and dtype
-            angles = torch.outer(torch.arange(n, dtype=torch.float32), rope_frequencies(self.config)).double()  # (S, D/2)
+            angles = torch.outer(torch.arange(n, dtype=torch.float32), rope_frequencies(self.config))  # (S, D/2)
+            angles = angles.double()
             cos, sin = angles.cos().float(), angles.sin().float()
             like = dict(device=self.rope_cos.device, dtype=self.rope_cos.dtype)
             self.rope_cos = torch.cat((cos, cos), dim=-1).to(**like)
@@ -308,7 +268,8 @@ class Transformer(nn.Module):
         kv: the cache's pool (n_layers, num_slots, 2*Hkv, D), meta: where to write and read in it (both None:
         a full causal forward)."""
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])  # (B, L): L > every position
+        # read_slots: (B, L), and L is past every position
+        cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if kv is None else kv[i], meta)
         return self.norm(x)
@@ -316,7 +277,7 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        out = linear(h, w if self.head_int4 is None else self.head_int4)
+        out = kernels.linear(h, w if self.head_int4 is None else self.head_int4)
         if self.head_ids is not None:  # a subset head: every other id gets -inf
             out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
         if (n := self.config.sampled_vocab_size) is not None:
@@ -334,7 +295,8 @@ class Transformer(nn.Module):
         check_token_ids(tokens, self.config.vocab_size)
         tokens = tokens.to(self.device)
         positions = torch.arange(T, device=self.device).expand(tokens.shape[0], T)
-        return self.logits(self._trunk(tokens, positions)).float()
+        with kernels.resolved():
+            return self.logits(self._trunk(tokens, positions)).float()
 
     def new_cache(self, num_blocks: int | None = None, block_size: int = 16, memory_bytes: int | None = None,
                   dtype: torch.dtype | None = None, max_blocks: int | None = None) -> PagedKVCache:
@@ -357,7 +319,8 @@ class Transformer(nn.Module):
             raise ValueError("every sequence in a step needs at least one new token")
         for s, n in zip(seqs, n_new):
             if cache.length(s) + n > self.config.max_seq_len:
-                raise ValueError(f"sequence {s} would reach {cache.length(s) + n} tokens, past max_seq_len={self.config.max_seq_len}")
+                raise ValueError(f"sequence {s} would reach {cache.length(s) + n} tokens, "
+                                 f"past max_seq_len={self.config.max_seq_len}")
         T = max(n_new)
         padded = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)  # (B, T)
         check_token_ids(padded, self.config.vocab_size)
@@ -365,8 +328,9 @@ class Transformer(nn.Module):
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
-        # the thread count is chosen per kind of step by its measured times (minispec.threads)
-        with tuned((self.config.dim, self.config.n_layers, self.config.int4, len(seqs), T), self.device):
+        # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
+        kind = (self.config.dim, self.config.n_layers, self.config.int4, len(seqs), T)
+        with tuned(kind, self.device), kernels.resolved():
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:
                 return h
@@ -379,7 +343,11 @@ class Transformer(nn.Module):
 
     # checkpoints and generation live in their own modules: the functions are the methods
 
-    from_pretrained = classmethod(load_pretrained)  # Transformer.from_pretrained(dir, device=None, dtype=None)
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None, int4: bool | None = None) -> Transformer:
+        """checkpoint.load_pretrained, with `device` and `dtype` checked (resolve_device, resolve_dtype) first."""
+        return load_pretrained(cls, path, device=resolve_device(device), dtype=resolve_dtype(dtype), int4=int4)
+
     save_pretrained = save_pretrained  # model.save_pretrained(dir, dtype=None)
     generate = generate  # model.generate(prompts, max_new_tokens=64, temperature=0.0, ...)
     speculate = speculate  # model.speculate(draft, prompts, k=4, ...)

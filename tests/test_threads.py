@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
+from minispec import threads
 from minispec.threads import ThreadTuner
+
+from helpers import tiny_model
 
 KIND = (576, 30, 1, 1)
 
@@ -62,14 +68,51 @@ def test_a_new_kind_starts_where_the_machine_is_and_one_thread_ignores_slow_step
     assert tuner.best(("a new kind",)) == 1  # a new kind of step starts at the count the machine favours now
 
 
-def test_step_sets_the_count_only_when_it_changes():
+def test_step_sets_the_count_only_when_it_differs_from_the_callers_and_sets_it_back():
+    now = {"threads": 2}
     calls = []
+
+    def set_threads(n):
+        calls.append(n)
+        now["threads"] = n
     t = iter(range(100))
-    tuner = ThreadTuner(max_threads=2, set_threads=calls.append, clock=lambda: next(t) * 0.01)
+    tuner = ThreadTuner(set_threads=set_threads, get_threads=lambda: now["threads"], clock=lambda: next(t) * 0.01)
     for _ in range(3):
         with tuner.step(KIND) as n:
             assert n == 2
-    assert calls == [2]
+    assert calls == []  # the caller's count is the best: nothing to set
+    tuner.record(KIND, 1, 0.001)  # one thread measured faster
+    tuner.record(KIND, 1, 0.001)
+    with tuner.step(KIND) as n:
+        assert n == 1 and now["threads"] == 1
+    assert calls == [1, 2] and now["threads"] == 2  # set back after the step
+
+
+def test_the_ceiling_is_the_callers_count_read_at_every_step():
+    now = {"threads": 4}
+    t = iter(range(10_000))
+    tuner = ThreadTuner(set_threads=lambda n: None, get_threads=lambda: now["threads"], clock=lambda: next(t) * 0.01)
+    for _ in range(50):
+        with tuner.step(KIND):
+            pass
+    assert tuner.candidates == [4, 2, 1]
+    tuner.record(KIND, 2, 0.0001)  # at a ceiling of 4, two threads measured fastest
+    tuner.record(KIND, 2, 0.0001)
+    assert tuner.best(KIND) == 2
+    now["threads"] = 1  # the caller asks for one thread: no other count is ever chosen
+    for _ in range(300):
+        with tuner.step(KIND) as n:
+            assert n == 1
+    assert tuner.candidates == [1] and tuner.best(KIND) == 1
+    now["threads"] = 2
+    used = []
+    for _ in range(300):
+        with tuner.step(KIND) as n:
+            used.append(n)
+    assert set(used) <= {1, 2} and tuner.candidates == [2, 1]
+    now["threads"] = 4  # the measurements under a ceiling of 4 are where they were left
+    tuner.set_ceiling(4)
+    assert tuner.best(KIND) == 2
 
 
 def test_no_tries_of_more_threads_while_no_core_is_idle(tmp_path):
@@ -97,8 +140,8 @@ def test_no_tries_of_more_threads_while_no_core_is_idle(tmp_path):
     assert used_plain[300:2000].count(2) >= 4  # without idle information the tries go on
     assert used[2300:].count(2) >= 0.95 * len(used[2300:])  # the load gone: back to two threads
     stat = tmp_path / "stat"
-    stat.write_text("\n".join(["cpu  10 0 5 300 7 0 0 0 0 0", "cpu0 5 0 2 100 3 0 0 0 0 0", "cpu1 5 0 3 200 4 0 0 0 0 0",
-                               "intr 1", ""]))
+    stat.write_text("\n".join(["cpu  10 0 5 300 7 0 0 0 0 0", "cpu0 5 0 2 100 3 0 0 0 0 0",
+                               "cpu1 5 0 3 200 4 0 0 0 0 0", "intr 1", ""]))
     read = idle_seconds(str(stat))
     tick = os.sysconf("SC_CLK_TCK")
     own = {f"cpu{i}" for i in os.sched_getaffinity(0)}
@@ -122,3 +165,78 @@ def test_a_kind_seen_once_before_the_load_runs_where_the_machine_is_now():
     assert n == 1
     tuner.record(prefill, n, 0.15)
     assert tuner.best(prefill) == 1 and tuner.choose(prefill) == 1
+
+
+# ---------------------------------------------------------------------------
+# the caller's thread count holds in generate and speculate
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def callers_threads():
+    """Restore the process's thread count whatever a test sets."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _step_threads(monkeypatch, *models) -> list[int]:
+    """torch.get_num_threads() inside every forward step of `models`, recorded as they run."""
+    seen = []
+    for m in models:
+        trunk = m._trunk
+        monkeypatch.setattr(m, "_trunk", lambda *a, trunk=trunk, **kw: seen.append(torch.get_num_threads())
+                            or trunk(*a, **kw))
+    return seen
+
+
+def test_one_thread_set_before_generate_runs_every_step_at_one_thread(monkeypatch, callers_threads):
+    monkeypatch.delenv("MINISPEC_THREADS", raising=False)
+    target, draft = tiny_model(seed=1), tiny_model(seed=2, n_layers=1)
+    seen = _step_threads(monkeypatch, target, draft)
+    torch.set_num_threads(1)
+    target.generate([[1, 2, 3], [4, 5]], max_new_tokens=12, stop_tokens=[])
+    target.speculate(draft, [1, 2, 3], k=3, max_new_tokens=12, temperature=1.0, seed=0, stop_tokens=[])
+    assert len(seen) > 20 and set(seen) == {1}
+    assert torch.get_num_threads() == 1
+
+
+def test_the_callers_count_is_set_back_after_the_tuners_choice(monkeypatch, callers_threads):
+    monkeypatch.delenv("MINISPEC_THREADS", raising=False)
+    tuner = ThreadTuner(idle=None)
+    monkeypatch.setattr(tuner, "choose", lambda kind: tuner.candidates[-1])  # the tuner picks one thread
+    monkeypatch.setattr(threads, "TUNER", tuner)
+    model = tiny_model(seed=1)
+    seen = _step_threads(monkeypatch, model)
+    torch.set_num_threads(2)
+    model.generate([1, 2, 3], max_new_tokens=8, stop_tokens=[])
+    assert set(seen) == {1} and tuner.candidates == [2, 1]
+    assert torch.get_num_threads() == 2
+
+
+def test_minispec_threads_fixes_the_count_of_every_step_and_sets_the_callers_back(monkeypatch, callers_threads):
+    model = tiny_model(seed=1)
+    seen = _step_threads(monkeypatch, model)
+    torch.set_num_threads(2)
+    monkeypatch.setenv("MINISPEC_THREADS", "1")  # read when used, not at import
+    model.generate([1, 2, 3], max_new_tokens=8, stop_tokens=[])
+    assert set(seen) == {1} and torch.get_num_threads() == 2
+    from minispec.equivalence.harness import max_threads
+    assert max_threads() == 1
+    monkeypatch.delenv("MINISPEC_THREADS")
+    assert max_threads() == 2
+    for bad in ("two", "0", "-1"):
+        monkeypatch.setenv("MINISPEC_THREADS", bad)
+        with pytest.raises(ValueError, match="MINISPEC_THREADS must be a positive integer"):
+            model.generate([1, 2, 3], max_new_tokens=2)
+        assert torch.get_num_threads() == 2
+
+
+def test_a_bad_environment_does_not_break_import():
+    env = dict(os.environ, MINISPEC_THREADS="lots", MINISPEC_KERNELS="fastest")
+    code = ("import minispec\n"
+            "cfg = minispec.ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, max_seq_len=8)\n"
+            "m = minispec.Transformer(cfg)\n"
+            "try:\n    m.generate([1, 2], max_new_tokens=1)\nexcept ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "must be" in out.stdout

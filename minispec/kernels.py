@@ -1,0 +1,255 @@
+"""How a CPU computes the model's products, attention and norms: the fast paths, apart from the maths.
+
+model.py states the maths and calls three functions here, each of which computes exactly that maths
+(up to rounding) by whatever path this CPU runs fastest:
+
+- `linear(x, w, b)`, x @ w.T + b: an fp32 product takes the form a one-off probe found fastest on
+  this CPU (`product_forms`: one form for a decode step, one for 2-512 rows, a verify pass or a batch;
+  docs/benchmarks.md, "Product forms"); a bf16 product of one row is computed as two (see below); an
+  fp16 product over many rows is computed in fp32 (CPUs lack fast fp16 matrix products); under
+  autograd (distillation trains through it) and off the CPU it is `F.linear`.
+- `attention(q, ctx, mask, n_kv_heads)`: a bf16 CPU pass over several tokens of one sequence attends
+  row by row (`row_wise_attention`); everything else is one `F.scaled_dot_product_attention` call.
+- `rms_norm(x, weight, eps)`: one fp32 row outside autograd (a decode step) takes a shortcut of fewer
+  kernels; everything else the formula.
+
+`Int4Weight` (with `int4_supported`) is a draft's weight matrix stored in int4, which `linear`
+multiplies with PyTorch's CPU int4 kernel (docs/benchmarks.md, "Int4 draft").
+
+One switch turns every fast path off. `MINISPEC_KERNELS=plain` in the environment (read when used;
+"fast", the default, turns them on; any other value raises ValueError at the first use), or, in a
+program, `set_enabled(False)` or `with minispec.kernels.plain(): ...` (which take precedence over the
+environment; `set_enabled(None)` hands the choice back to it). Switched off, every product is
+`F.linear`, every attention one SDPA call, every RMSNorm the formula, and the product-form probe never
+runs. An `Int4Weight` still goes through its int4 kernel: it is a stored form of the weight, not a
+choice of kernel (an int4 model has no float matrix to give `F.linear`).
+
+What switching off gives up: in bf16 on a CPU, a decode step and a verify pass give a position the
+same bits only because a one-row product is computed as two and a pass over several tokens attends
+row by row (docs/benchmarks.md, "bf16 target"). With the switch off that guarantee is off for bf16
+CPU models: greedy speculation can then differ from greedy generation at near-ties. The exactness
+of speculative sampling in fp32 is a property of the distributions and holds either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------
+# the switch
+# ---------------------------------------------------------------------------
+
+_override: bool | None = None  # set_enabled / plain(); None: MINISPEC_KERNELS decides
+_in_pass: bool | None = None  # the setting read once for the model pass under way (resolved)
+
+
+def _from_env() -> bool:
+    value = os.environ.get("MINISPEC_KERNELS", "").strip()
+    if value in ("", "fast"):
+        return True
+    if value == "plain":
+        return False
+    raise ValueError(f"MINISPEC_KERNELS must be 'plain' (no fast paths) or 'fast' (the default), got {value!r}")
+
+
+def enabled() -> bool:
+    """Whether the fast paths are on: set_enabled's setting, else MINISPEC_KERNELS (on unless it says plain)."""
+    if _in_pass is not None:
+        return _in_pass
+    return _override if _override is not None else _from_env()
+
+
+def set_enabled(flag: bool | None) -> None:
+    """True: the fast paths; False: plain F.linear, SDPA and the RMSNorm formula; None: MINISPEC_KERNELS decides."""
+    global _override
+    _override = flag
+
+
+@contextmanager
+def plain():
+    """Every fast path off inside the block; the earlier setting is restored after it."""
+    global _override
+    before = _override
+    _override = False
+    try:
+        yield
+    finally:
+        _override = before
+
+
+@contextmanager
+def resolved():
+    """Read the switch once for a whole model pass, not in each of its hundreds of kernel calls (an
+    environment lookup in every product and norm adds up over a step)."""
+    global _in_pass
+    if _in_pass is not None:  # already inside a pass
+        yield
+        return
+    _in_pass = enabled()
+    try:
+        yield
+    finally:
+        _in_pass = None
+
+
+# ---------------------------------------------------------------------------
+# products
+# ---------------------------------------------------------------------------
+
+def _transposed(x, w, b):
+    xt = x.reshape(-1, x.shape[-1]).contiguous().t()  # x contiguous: the thin kernel (a transposed x is slower)
+    return (torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)).t().reshape(*x.shape[:-1], -1)
+
+
+# the forms an fp32 CPU product x @ w.T + b can take; PyTorch's own kernels, each picked by shape in its library
+PRODUCTS = {"aten": F.linear,  # MKL's GEMM / GEMV
+            "transposed": _transposed,  # (w @ x.T).T: MKL's kernel for a thin right-hand side
+            "onednn": lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")}
+
+
+@functools.cache
+def product_forms() -> tuple[str, str]:
+    """The fastest form of an fp32 product on this CPU for one row and for 2-512 rows, measured once.
+
+    The libraries pick kernels by shape, and which form wins differs from CPU to CPU (docs/benchmarks.md,
+    "Product forms"). Timed once per process on an 8192 x 1536 weight (larger than any cache, as a
+    model's are), best of 5 each, at one thread: a timing at several threads measures the machine's load
+    as much as the kernels (beside a busy process the threads wait on each other), while at one thread
+    the ranking is the quiet one."""
+    w, b = torch.randn(8192, 1536), torch.randn(8192)
+    forms = [f for f in PRODUCTS if f != "onednn" or torch.backends.mkldnn.is_available()]
+
+    def best(form: str, rows: int) -> float:
+        x, times = torch.randn(rows, 1536), []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            PRODUCTS[form](x, w, b)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
+                    min(forms, key=lambda f: best(f, 4)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_row_as_two(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 product of one row, computed as a product of two: oneDNN's bf16 kernel gives a row the same
+    bits in any product of 2 rows or more (a verify pass, a prefill), not alone, so a decode step then
+    computes what a verify pass does (docs/benchmarks.md, "bf16 target")."""
+    return F.linear(x.reshape(1, -1).repeat(2, 1), w, b)[:1].view(*x.shape[:-1], -1)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b, by the path this CPU runs fastest (see the module's docstring); `F.linear` when the
+    switch is off, off the CPU or under autograd. An Int4Weight always takes its int4 kernel."""
+    if isinstance(w, Int4Weight):
+        return w(x, b)
+    if not enabled() or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return F.linear(x, w, b)  # on the weights directly: an nn.Linear module call costs more, in every product
+    rows = x.numel() // x.shape[-1]
+    if x.dtype == torch.float16 and rows > 8:  # CPUs lack fast fp16 matrix products: in fp32 (a draft's prefill)
+        return linear(x.float(), w.float(), None if b is None else b.float()).half()
+    if x.dtype == torch.bfloat16:
+        return _one_row_as_two(x, w, b) if rows == 1 else F.linear(x, w, b)
+    if x.dtype != torch.float32:
+        return F.linear(x, w, b)
+    form = product_forms()[rows > 1]
+    return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
+
+
+class Int4Weight:
+    """A weight matrix in int4 for a draft on a CPU: groups of 32 inputs per row, each with its own scale and
+    offset, packed for PyTorch's int4 weight-only product (`_weight_int4pack_mm_for_cpu`, bf16 activations,
+    unpacked in the kernel). An eighth of fp32's bytes, so a decode step, which reads every weight once, costs
+    far less. Not exact, and it need not be: a draft only proposes (the output stays the target's)."""
+
+    GROUP = 32
+    __slots__ = ("packed", "scales", "shape")
+
+    def __init__(self, w: torch.Tensor):
+        w = w.detach().float()
+        n, k = self.shape = tuple(w.shape)
+        g = w.reshape(n, k // self.GROUP, self.GROUP)
+        lo, hi = torch.aminmax(g, dim=-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = (g - lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        # the kernel's weight is (q - 8) * scale + zero, scales and zeros (k / GROUP, n, 2)
+        self.scales = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        """The kernel's shapes: output rows a multiple of 16, inputs of the group."""
+        return w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % cls.GROUP == 0
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed,
+                                                        self.GROUP, self.scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        return out if b is None else out + b
+
+
+def int4_supported(device: torch.device | str) -> bool:
+    """Int4Weight's kernel runs on CPUs."""
+    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """One sequence's attention, each query row as its own call over the keys it sees, exactly the call a
+    decode step makes for that position: q (1, H, T, D), ctx (1, 2*Hkv, L, D) with the T new tokens last.
+
+    SDPA's result for a row depends on how many rows it is computed with (a one-query call and a row of a
+    verify pass round differently), and in bf16 such a difference is a whole unit of the 8-bit mantissa:
+    greedy speculation would then drift from greedy generation at near-ties. Row by row, a verify pass (or a
+    prefill) computes for each position what a decode step computes (the products agree already: `linear`
+    computes one bf16 row as two). T calls instead of one: a prefill of a long prompt pays for it."""
+    T, L, Hkv = q.shape[2], ctx.shape[2], n_kv_heads
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], ctx[:, :Hkv, :L - T + t + 1],
+                                                     ctx[:, Hkv:, :L - T + t + 1], enable_gqa=q.shape[1] != Hkv)
+                      for t in range(T)], dim=2)
+
+
+def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_kv_heads: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v for q (B, H, T, D) over ctx (B, 2*Hkv, L, D) (keys in the first Hkv
+    rows, values in the rest; mask additive, (B, 1, T, L), or None). Row by row for a bf16 CPU pass over
+    several tokens of one sequence (`row_wise_attention`), else one SDPA call."""
+    B, H, T = q.shape[:3]
+    if B == 1 and T > 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and enabled():
+        return row_wise_attention(q, ctx, n_kv_heads)
+    return F.scaled_dot_product_attention(q, ctx[:, :n_kv_heads], ctx[:, n_kv_heads:], attn_mask=mask,
+                                          enable_gqa=H != n_kv_heads)
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------
+
+def _rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One fp32 row: its sum of squares is one dot product and the scale a Python float (so inference
+    only), 3 kernels instead of 7, twice in every layer of a decode step."""
+    v = x.reshape(-1)
+    return torch.mul(x, weight).mul_((float(torch.dot(v, v)) / v.shape[0] + eps) ** -0.5)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x * rsqrt(mean(x^2) + eps) over the last axis, normalised in fp32 as Hugging Face does and
+    cast back before the scale (F.rms_norm is more kernels on a CPU, no faster)."""
+    if x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and enabled():
+        return _rms_norm_row(x, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps))
+    return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
