@@ -18,7 +18,7 @@ CODER_TARGET := weights/qwen2.5-coder-1.5b-instruct
 CODER_SMALL := weights/qwen2.5-coder-0.5b-instruct
 # the 0.5B as a draft: stored in fp16, its config.json saying int4, so that a plain from_pretrained computes its
 # products in int4 on a CPU (an eighth of fp32's bytes a step; fp16 on a GPU); the output stays the target's.
-# A subset head (tools/draft_head.py) did not pay on this pair: docs/benchmarks.md, 2026-12-01
+# A subset head (tools/draft_head.py) did not pay on this pair: docs/benchmarks.md, "Drafts"
 CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct-draft
 CODER_PROMPT ?= Write a Python function that returns the n-th prime number, with a docstring and a doctest.
 

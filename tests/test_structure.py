@@ -1,15 +1,18 @@
-"""The package's shape: no import cycle anywhere in minispec/, lazy imports included.
+"""The package's shape: the modules read in the order docs/design.md lists them, and no import cycle.
 
-The core is meant to be read in order (config -> cache -> model -> sampling -> generate ->
-drafters -> speculative); a cycle, even one hidden inside a function, breaks that order.
+docs/design.md's "Modules, in reading order" is the order a reader takes; no module may import one
+listed after it, at the top or inside a function, and every module of minispec/ must be on the list.
+A cycle, even one hidden inside a function, would break any such order.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minispec"
+DESIGN = PACKAGE.parent / "docs" / "design.md"
 
 
 def module_name(path: Path) -> str:
@@ -78,12 +81,32 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_the_core_reads_in_order():
-    """No core module imports one that comes after it on the reading path (the model's methods are the
-    generate, speculate and checkpoint functions, so model is read with those)."""
-    order = ["config", "cache", "sampling", "generate", "drafters", "adaptive", "speculative"]
+def reading_order(text: str) -> list[str]:
+    """The module names of the numbered list under "## Modules, in reading order" ("1. `minispec/x.py`: ...")."""
+    section = re.search(r"^## Modules, in reading order\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, 'docs/design.md has no section "## Modules, in reading order"'
+    paths = re.findall(r"^\d+\. `(minispec/[\w/]+\.py)`", section.group(1), re.M)
+    return [module_name(PACKAGE.parent / p) for p in paths]
+
+
+def test_the_reading_order_parser():
+    text = ("## Modules, in reading order\n\nIntro.\n\n1. `minispec/a.py`: one.\n2. `minispec/sub/__init__.py`: "
+            "two,\n   wrapped.\n10. `minispec/sub/b.py`: three.\n\n`minispec/c.py` is prose.\n\n## Next\n"
+            "3. `minispec/d.py`: another section.\n")
+    assert reading_order(text) == ["minispec.a", "minispec.sub", "minispec.sub.b"]
+
+
+def test_the_modules_read_in_the_order_design_md_lists_them():
+    """No module imports one listed after it in docs/design.md, and every module is listed (the package's
+    __init__, which re-exports the public names, apart). The model's methods are the generate, speculate and
+    checkpoint functions, so model is listed after those."""
+    order = reading_order(DESIGN.read_text(encoding="utf-8"))
+    assert len(order) == len(set(order)), f"listed twice: {sorted({m for m in order if order.count(m) > 1})}"
     g = graph()
+    assert not set(order) - set(g), f"listed in docs/design.md but not in minispec/: {sorted(set(order) - set(g))}"
+    unlisted = set(g) - set(order) - {"minispec"}
+    assert not unlisted, f"not listed in docs/design.md's reading order: {sorted(unlisted)}"
     for i, m in enumerate(order):
-        later = {f"minispec.{n}" for n in order[i + 1:]}
-        assert not g[f"minispec.{m}"] & later, f"minispec.{m} imports {sorted(g[f'minispec.{m}'] & later)}"
-    assert "minispec.model" not in set().union(*(g[f"minispec.{m}"] for m in order))
+        # `from . import x` also names the package itself (the cycle test drops that edge for the same reason)
+        later = (g[m] - {"minispec"}) & set(order[i + 1:])
+        assert not later, f"{m} imports {sorted(later)}, listed after it in docs/design.md"
