@@ -19,16 +19,29 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_k(a: float, c: float, k_max: int = 8, verify: "list[float] | None" = None) -> int:
+def round_cost(k: int, c: float, verify: float, c_first: float | None = None, all_accepted: float = 0.0) -> float:
+    """One round's cost in plain decode steps: the target's verify pass over k drafts plus k draft steps of cost c.
+
+    The round's first draft step feeds two new tokens (the last draft and the bonus token) after a round
+    that accepted every draft: given `c_first`, that step's cost, it is counted at c_first in the share
+    `all_accepted` of rounds and at c in the others. k = 0 is a plain decode step: `verify` alone.
+    tools/bench.py's cost model (docs/benchmarks.md, "Cost model") and `best_k` both price a round here.
+    """
+    if c_first is None or k == 0:
+        return verify + k * c
+    return verify + (k - 1) * c + all_accepted * c_first + (1 - all_accepted) * c
+
+
+def best_k(a: float, c: float, k_max: int = 8, verify: list[float] | None = None) -> int:
     """The draft length with the most tokens per unit of time.
 
     a: per-token acceptance probability; c: one draft step's cost relative to one plain decode step;
     verify[k]: the cost of the target pass that checks k drafts, in the same unit (default 1; on a CPU it
-    grows with k). A round of k drafts costs k*c + verify[k] and yields expected_tokens(a, k); k = 0 is
-    plain decoding. Ties go to the smaller k.
+    grows with k). A round of k drafts costs round_cost(k, c, verify[k]) = k*c + verify[k] and yields
+    expected_tokens(a, k); k = 0 is plain decoding. Ties go to the smaller k.
     """
     v = [1.0] * (k_max + 1) if verify is None else verify
-    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / (v[k] + k * c), -k))
+    return max(range(k_max + 1), key=lambda k: (expected_tokens(a, k) / round_cost(k, c, v[k]), -k))
 
 
 class AdaptiveK:
@@ -41,13 +54,14 @@ class AdaptiveK:
     costs a draft pass over the tokens since the last and a two-token verify pass, which is all k="auto"
     loses against plain decoding where speculation does not pay.
 
-    The decay (0.97 a round) keeps about 30 rounds in view: at 0.9 the estimates followed each rejection,
-    and on Qwen2.5-Coder k="auto" ran 0.98 of the best fixed k greedy and 1.00 at T=0.7, against 1.05
-    and 1.13 at 0.97 in the same interleaved run (docs/benchmarks.md, 2026-12-01).
+    The decay (0.97 a round) keeps about 30 rounds in view: at 0.9 the estimates followed each rejection
+    and k="auto" ran behind the best fixed k, which it matched or beat at 0.97 (docs/benchmarks.md, "k=auto").
 
     Exactness does not depend on any of this: a round's k is fixed before its drafts are drawn. Measured
-    times make the k's chosen depend on the machine; pass `cost_ratio` (draft step / plain decode step,
-    verify costs equal for every k) to make it deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`.
+    times make the k's chosen depend on the machine and the moment, and with them which random numbers
+    decide which token, so the same seed can give other tokens (from the same distribution) run to run.
+    Pass `cost_ratio` (draft step / plain decode step, verify costs equal for every k) to make it
+    deterministic: `speculate(..., k=AdaptiveK(cost_ratio=0.1))`, or k="auto-fixed" (fixed_cost_ratio).
     """
 
     def __init__(self, k_max: int = 8, decay: float = 0.97, probe_every: int = 8, k_start: int = 2,
@@ -98,7 +112,7 @@ class AdaptiveK:
         elif self.draft_step_s is None or not self.verify_s:
             return self.k_start  # nothing measured yet
         else:
-            unit = self.verify_cost(0)
+            unit = max(self.verify_cost(0), 1e-12)  # a clock too coarse to see a step must not divide by 0
             k = best_k(self.acceptance, self.draft_step_s / unit, self.k_max,
                        [self.verify_cost(j) / unit for j in range(self.k_max + 1)])
         if k == 0:
@@ -126,9 +140,31 @@ class AdaptiveK:
             self.verify_s[k] = ema(self.verify_s.get(k), verify_s)
 
 
+AUTO_FIXED = "auto-fixed"  # k="auto-fixed": AdaptiveK with fixed_cost_ratio, a fresh one each call
+
+
+def weights_per_token(cfg) -> int:
+    """The weights one decode step of a model with this config multiplies a token by: its layers' projections
+    and its head (the embedding is a lookup)."""
+    attn = cfg.dim * cfg.head_dim * 2 * (cfg.n_heads + cfg.n_kv_heads)  # q, o and k, v
+    return cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_dim) + cfg.dim * (cfg.head_vocab_size or cfg.vocab_size)
+
+
+def fixed_cost_ratio(target, draft) -> float:
+    """A draft step's cost relative to a plain decode step of the target, from the configs alone: the ratio of
+    their weights_per_token (0 for a drafter without a model, such as prompt lookup). A decode step reads
+    every weight once, so this ratio tracks the measured one on any machine without depending on timings;
+    it ignores the dtypes and kernels that make the measured ratio differ from it."""
+    model = getattr(draft, "model", draft)  # a ModelDrafter (or a Drafter holding a model), or the model itself
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "n_layers"):
+        return 0.0
+    return weights_per_token(cfg) / weights_per_token(target.config)
+
+
 # k="auto" carries its estimator from call to call: target -> {(draft, sampling settings, batch size): (draft
 # reference, AdaptiveK)}. Weak on both sides, so it never keeps a model alive.
-_AUTO_K: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_AUTO_K: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def auto_k(target, draft, params: SamplingParams, batch_size: int, sampler: str = "exact") -> AdaptiveK:

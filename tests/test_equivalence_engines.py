@@ -2,7 +2,7 @@
 
 The JSONL route on a tiny random pair: minispec's exact samples pass, each broken sampler's samples fail, prompts
 may differ from line to line, and every way a file can be wrong is a one-line error with exit status 2 that
-names the line. Then transformers: the pair saved as minispec checkpoints, exported by tools/export_hf.py,
+names the line. Then transformers: the pair saved as minispec checkpoints, exported by minispec.hf_export,
 sampled by transformers' own generate (plain and assisted), scored by minispec's target; a directory whose
 generation_config.json asks for other settings changes nothing (and, used as transformers would by default,
 is caught). Every run uses fixed seeds, so every p-value here is deterministic.
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TOOLS, peaked_model, truncated
+from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
 from minispec import SamplingParams, cli
+from minispec.controls import CONTROLS
 from minispec.equivalence import (EquivalenceInputError, SampleSet, SamplesFileError, audit_samples, read_samples,
                                   run_equivalence)
 from minispec.equivalence.samples import group
@@ -30,13 +31,6 @@ PROMPTS = [[1, 5, 2, 7, 3], [4, 4, 9]]
 SETTINGS = {"temperature": 0.7, "top_k": 8, "top_p": None, "new_tokens": 3, "engine": "test", "engine_version": "1"}
 N = 300  # samples per prompt: enough for every broken sampler to fail by a wide margin here (see test_broken)
 FAST = dict(power_runs=0)  # the power figure has its own tests (test_power.py)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    torch.set_num_threads(1)
-    target = peaked_model(0, 32, 32, 3, 2.0)
-    return target, truncated(target, 1)
 
 
 def speculative_samples(pair, sampler: str, n: int = N, seed: int = 0) -> SampleSet:
@@ -73,7 +67,7 @@ def test_exact_samples_pass_from_a_file(pair, tmp_path):
     assert "samples from test 1" in r.format() and "speculative_samples_per_s" not in r.speed
 
 
-@pytest.mark.parametrize("sampler", ["no-residual", "always-accept", "unprocessed-q", "greedy-draft"])
+@pytest.mark.parametrize("sampler", CONTROLS)
 def test_broken_samples_fail_from_a_file(pair, tmp_path, sampler):
     # p_holm here: no-residual 3e-9, always-accept 0, unprocessed-q 4e-6, greedy-draft 1e-20 (exact: 1)
     target, _ = pair
@@ -125,13 +119,6 @@ def checkpoints(pair, tmp_path_factory):
     target.save_pretrained(base / "target")
     draft.save_pretrained(base / "draft")
     return base
-
-
-def main(argv: list[str]) -> int:
-    try:
-        return cli.main(["equivalence", *argv])
-    except SystemExit as e:
-        return e.code
 
 
 GOOD = {"prompt": [1, 2], "tokens": [3, 4, 5]}
@@ -250,18 +237,16 @@ def test_the_library_imports_transformers_only_in_the_engine():
 
 
 # ---------------------------------------------------------------------------
-# transformers, on the pair exported by tools/export_hf.py
+# transformers, on the pair exported by minispec.hf_export
 # ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def hf_dirs(checkpoints):
     pytest.importorskip("transformers")
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    from export_hf import export
+    from minispec.hf_export import export_hf
 
     for name in ("target", "draft"):
-        export(checkpoints / name, checkpoints / f"hf-{name}", progress=False)
+        export_hf(checkpoints / name, checkpoints / f"hf-{name}", progress=False)
     return {"target": str(checkpoints / "hf-target"), "draft": str(checkpoints / "hf-draft")}
 
 
@@ -280,7 +265,7 @@ def test_transformers_plain_sampling_passes(pair, hf_dirs):
 
 @pytest.mark.slow
 def test_transformers_assisted_sampling_passes(pair, hf_dirs):
-    # batch size 1 per call (what assisted generation takes): 77 s on 2 loaded cores
+    # slow: assisted generation takes a batch of one per call
     target, draft = pair
     r = run_equivalence(target, None, PROMPTS[0], engine="transformers-assisted", hf_dirs=hf_dirs, k=3, **TF)
     assert r.passed and r.calibrated, r.format()
@@ -358,7 +343,7 @@ def test_transformers_target_must_be_the_target(pair, hf_dirs):
 
 
 @pytest.mark.slow
-def test_cli_transformers_assisted_exports_with_the_tool(pair, checkpoints, tmp_path, capsys, monkeypatch):
+def test_cli_transformers_assisted_exports_the_pair(pair, checkpoints, tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(cli, "_encode_prompts", lambda args, texts, target: PROMPTS[:1])
     saved = tmp_path / "tf.jsonl"

@@ -7,34 +7,55 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-code = r'''
+MODES = ("tuner", "2", "1")  # MINISPEC_THREADS unset (the tuner), then fixed at 2 and at 1
+CODE = r'''
 import os, sys, time, torch
 mode = sys.argv[1]
-if mode != "tuner": os.environ["MINISPEC_THREADS"] = mode
+if mode != "tuner":
+    os.environ["MINISPEC_THREADS"] = mode
 from minispec import Transformer
-t = Transformer.from_pretrained("weights/smollm2-135m-instruct"); d = Transformer.from_pretrained("weights/smollm2-135m-draft").float()
+t = Transformer.from_pretrained("weights/smollm2-135m-instruct")
+d = Transformer.from_pretrained("weights/smollm2-135m-draft").float()
 ids = t.tokenizer.encode_chat([{"role": "user", "content": "Explain how a bicycle stays upright."}])
 t.generate(ids, max_new_tokens=8, stop_tokens=[]); t.speculate(d, ids, max_new_tokens=8, stop_tokens=[], k="auto")
 a = time.perf_counter(); t.generate(ids, max_new_tokens=96, stop_tokens=[]); b = time.perf_counter()
 t.speculate(d, ids, k="auto", max_new_tokens=96, stop_tokens=[]); c = time.perf_counter()
 print(96 / (b - a), 96 / (c - b))
 '''
-reps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-res = {}
-for load in ("quiet", "loaded"):
+
+
+def measure(load: str, reps: int, res: dict) -> None:
+    """`reps` runs of every mode, the order alternating, beside a busy-loop process when `load` is "loaded"."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "loaded" else None
     time.sleep(1)
     for rep in range(reps):
-        for mode in (("tuner", "2", "1") if rep % 2 == 0 else ("1", "2", "tuner")):
-            out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, cwd=ROOT)
+        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            out = subprocess.run([sys.executable, "-c", CODE, mode], capture_output=True, text=True, cwd=ROOT)
             g, s = map(float, out.stdout.split())
             res.setdefault((load, mode), []).append((g, s))
             print(load, mode, f"generate {g:.1f} tok/s  speculate {s:.1f} tok/s", flush=True)
-    if busy: busy.kill()
-print("medians:")
-for (load, mode), v in res.items():
-    print(load, mode, f"generate {statistics.median(x[0] for x in v):.1f}  speculate {statistics.median(x[1] for x in v):.1f}")
-for mode in ("tuner", "2", "1"):
-    q, l = res[("quiet", mode)], res[("loaded", mode)]
-    print(mode, "loaded/quiet: generate", round(statistics.median(x[0] for x in l) / statistics.median(x[0] for x in q), 2),
-          "speculate", round(statistics.median(x[1] for x in l) / statistics.median(x[1] for x in q), 2))
+    if busy:
+        busy.kill()
+
+
+def median(runs: list, i: int) -> float:
+    """The median of generate's (i=0) or speculate's (i=1) rate over the runs."""
+    return statistics.median(x[i] for x in runs)
+
+
+def main(argv: list[str]) -> None:
+    reps = int(argv[0]) if argv else 3
+    res: dict = {}
+    for load in ("quiet", "loaded"):
+        measure(load, reps, res)
+    print("medians:")
+    for (load, mode), v in res.items():
+        print(load, mode, f"generate {median(v, 0):.1f}  speculate {median(v, 1):.1f}")
+    for mode in MODES:
+        quiet, loaded = res[("quiet", mode)], res[("loaded", mode)]
+        print(mode, "loaded/quiet: generate", round(median(loaded, 0) / median(quiet, 0), 2),
+              "speculate", round(median(loaded, 1) / median(quiet, 1), 2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -16,14 +16,8 @@ stages); this file is its command line.
 """
 
 import sys
-from pathlib import Path
 
-try:  # run from a source checkout without installing minispec
-    import minispec  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from distill.cli import main  # noqa: E402  (tools/, this file's folder, is on sys.path when it runs as a script)
+from distill.cli import main  # tools/distill/: this file's folder is on sys.path when it runs as a script
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,7 +103,8 @@ TEMPLATES = [
 ]
 
 CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "computes the factorial of n", "returns the nth Fibonacci number",
+    "reverses a string", "checks whether a number is prime", "computes the factorial of n",
+    "returns the nth Fibonacci number",
     "counts the vowels in a string", "finds the largest element of a list", "removes duplicates from a list",
     "sorts a list of dictionaries by a key", "checks whether a string is a palindrome", "merges two sorted lists",
     "converts Celsius to Fahrenheit", "computes the average of a list of numbers", "counts word frequencies in a text",
@@ -219,7 +220,8 @@ def build_prompts(seed: int = SEED) -> list[dict]:
     out = [{"id": i, "split": "heldout" if i in held else "train", "kind": kind,
             "messages": [{"role": "user", "content": text}]} for i, (kind, text) in enumerate(items)]
     for text in FREEFORM:
-        out.append({"id": len(out), "split": "heldout", "kind": "freeform", "messages": [{"role": "user", "content": text}]})
+        out.append({"id": len(out), "split": "heldout", "kind": "freeform",
+                    "messages": [{"role": "user", "content": text}]})
     return out
 
 
@@ -230,7 +232,8 @@ def to_jsonl(prompts: list[dict]) -> str:
 def load_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no prompt file at {path}; build it with: python tools/distill_prompts.py --out {path}")
+        raise FileNotFoundError(f"no prompt file at {path}; build it with: "
+                                f"python tools/distill_prompts.py --out {path}")
     prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for i, p in enumerate(prompts):
         if p.get("id") != i:

@@ -4,7 +4,7 @@
 - "transformers-assisted": transformers' speculative decoding, `generate(..., assistant_model=draft, do_sample=True)`.
 
 Both load the pair with transformers from Hugging Face directories (the ones
-tools/export_hf.py writes: `exported` makes them from minispec checkpoints in a
+minispec.hf_export writes: `exported` makes them from minispec checkpoints in a
 temporary directory) and yield the samples in chunks, which the harness scores
 with minispec's own target like any engine's.
 
@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..errors import InputError, one_line
+from ..hf_export import ExportWarning, export_hf
 from ..sampling import SamplingParams
 from .samples import EquivalenceInputError
 
 ENGINES = ("minispec", "transformers", "transformers-assisted")
-EXPORT_TOOL = Path(__file__).resolve().parents[2] / "tools" / "export_hf.py"
 # the settings that would change the sampled distribution if transformers filled them in: written "off"
 NEUTRAL = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
                epsilon_cutoff=0.0, eta_cutoff=0.0, min_p=None, top_h=None, bad_words_ids=None, suppress_tokens=None,
@@ -69,25 +69,30 @@ def is_hf_dir(path) -> bool:
 @contextlib.contextmanager
 def exported(dirs: dict[str, str | None]):
     """{"target": DIR, "draft": DIR or None} -> the same with every minispec checkpoint exported by
-    tools/export_hf.py into a temporary directory (removed afterwards); Hugging Face directories pass through."""
+    minispec.hf_export into a temporary directory (removed afterwards); Hugging Face directories pass through."""
     out = dict(dirs)
     todo = {k: v for k, v in dirs.items() if v is not None and not is_hf_dir(v)}
     if not todo:
         yield out
         return
-    if not EXPORT_TOOL.is_file():
-        raise EquivalenceInputError(f"{EXPORT_TOOL} not found (it comes with a source checkout of minispec): give "
-                                    "Hugging Face directories with --hf-target/--hf-draft instead")
     with tempfile.TemporaryDirectory(prefix="minispec-hf-") as tmp:
         for name, src in todo.items():
-            dst = Path(tmp) / name
-            r = subprocess.run([sys.executable, str(EXPORT_TOOL), str(src), str(dst), "--quiet"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise EquivalenceInputError(f"tools/export_hf.py could not export {src}: "
-                                            f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-            out[name] = str(dst)
+            out[name] = _export(src, Path(tmp) / name)
         yield out
+
+
+def _export(src, dst: Path) -> str:
+    """`src` exported to `dst` for transformers, or EquivalenceInputError saying why it could not be.
+
+    A subset lm_head's warning is left out: a draft's only changes what the assistant proposes, which leaves
+    the target's distribution exact, and a target's would fail check_same_target."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExportWarning)
+            export_hf(src, dst, progress=False)
+    except (InputError, OSError) as e:
+        raise EquivalenceInputError(f"{src} could not be exported for transformers: {one_line(e)}") from None
+    return str(dst)
 
 
 def load_hf(transformers, path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from minispec import CheckpointError, ModelConfig, Transformer
+from minispec.errors import one_line
 
 CKPT_NAME = "ckpt.pt"
 TYPES = {"model": dict, "optimizer": dict, "step": int, "epoch": int, "order": (list, type(None)), "pos": int,
@@ -75,8 +76,8 @@ def draft_from_checkpoint(state: dict, path: str | Path) -> Transformer:
             raise ValueError(f"{config.n_layers} layers for {len(weights)} tensors")
         with torch.device("meta"):
             expected = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
-    except (ValueError, TypeError) as e:
-        raise unusable(path, f"its model_config cannot be used ({e})") from None
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # RuntimeError: torch's size overflow on meta
+        raise unusable(path, f"its model_config cannot be used ({one_line(e)})") from None
     wrong = sorted(set(expected) ^ set(weights)) or [k for k in expected if tuple(weights[k].shape) != expected[k]]
     if wrong:
         raise unusable(path, f"its model_config does not match the tensors it holds (e.g. {wrong[0]})")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from minispec import ModelConfig, Transformer
+from minispec.cli import device_argument
 from minispec.tokenizer import load_tokenizer
 
 from distill_prompts import load_prompts
@@ -45,17 +46,6 @@ def signal_handlers(handler, *signums: int):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def device_argument(s: str) -> str:
-    """--device: a torch device this machine has (cpu, cuda, cuda:1, ...)."""
-    try:
-        device = torch.device(s)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{s!r}: CUDA is not available on this machine; use cpu")
-    return s
 
 
 def add_paths(p: argparse.ArgumentParser, *names: str) -> None:
@@ -136,12 +126,16 @@ def add_all(sub) -> None:
                                    "also what runs when the first argument is an option")
     add_paths(a, "target", "data", "labels", "run", "prompts")
     a.add_argument("--out", default=DRAFT_OUT, help="where the best draft goes")
-    a.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long (default: all prompts)")
-    a.add_argument("--train-minutes", type=float, default=None, help="stop training after this long (default: never)")
+    a.add_argument("--gen-minutes", type=float, default=None,
+                   help="stop generating after this long (default: all prompts)")
+    a.add_argument("--train-minutes", type=float, default=None,
+                   help="stop training after this long (default: never)")
     a.add_argument("--dim", type=int, default=None,
                    help=f"draft width for a new run (default {TrainConfig.dim}, at most the target's)")
-    a.add_argument("--n-layers", type=int, default=None, help=f"draft depth for a new run (default {TrainConfig.n_layers})")
-    a.add_argument("--head-vocab", type=int, default=None, help=f"draft head size for a new run (default {TrainConfig.head_vocab})")
+    a.add_argument("--n-layers", type=int, default=None,
+                   help=f"draft depth for a new run (default {TrainConfig.n_layers})")
+    a.add_argument("--head-vocab", type=int, default=None,
+                   help=f"draft head size for a new run (default {TrainConfig.head_vocab})")
     a.add_argument("--measure", action="store_true", help="measure acceptance on held-out prompts at the end")
     add_machine(a, "the target's dtype while generating text and soft labels")
     a.set_defaults(func=cmd_all)
@@ -173,11 +167,12 @@ def add_train(sub) -> None:
     t.add_argument("--export-minutes", type=float, default=0.0, help="at least this long between exports")
     t.add_argument("--eval-every", type=int, default=200)
     t.add_argument("--min-growth", type=float, default=0.0,
-                   help="start a new epoch only when the data has grown by this fraction (when a generator runs alongside)")
+                   help="start a new epoch only when the data has grown by this fraction "
+                        "(when a generator runs alongside)")
     add_machine(t, "the target's dtype when soft labels must be recomputed")
     t.add_argument("--bf16-autocast", action="store_true",
                    help="run the draft's matrix products in bfloat16 (weights and optimizer stay float32); "
-                        "faster on CPUs with AMX and on GPUs")
+                        "faster where the CPU or GPU has native bf16 matrix products")
     t.add_argument("--init-from", default=None,
                    help="start a new run from this exported draft (its architecture and head) instead of from the "
                         "target's embedding; ignored when the run directory already has a checkpoint")
@@ -222,7 +217,8 @@ def run(argv: list[str]) -> None:
     """Parse argv and run its stage; errors propagate (main turns them into one line)."""
     if argv and argv[0].startswith("--") and argv[0] != "--help":
         argv = ["all", *argv]  # python tools/distill_draft.py --target DIR --out DIR: the whole pipeline
-    args = parser("Distil a small draft model for speculative decoding from a target's own generations.").parse_args(argv)
+    description = "Distil a small draft model for speculative decoding from a target's own generations."
+    args = parser(description).parse_args(argv)
     args.func(args)
 
 

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from minispec.config import DTYPES as DTYPES_ALL
+
 TARGET = "weights/smollm2-135m-instruct"
 DATA = "data/distill"
 PROMPTS = "data/distill/prompts.jsonl"
@@ -15,10 +17,10 @@ LABELS = "runs/distill/labels"
 RUN = "runs/distill/main"
 DRAFT_OUT = "weights/smollm2-135m-draft"
 TOPK = 32  # soft labels kept per position
-# --target-dtype: bfloat16 runs the target 1.6-2.2x faster on CPUs with AMX (measured here: generation
-# 325 vs 203 tokens/s at batch 64, soft labels 870 vs 394) at a cost of ~2% argmax flips against float32
-# (KL 0.001 nat)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --target-dtype: bfloat16 runs the target faster where the CPU has native bf16 matrix products, at the cost of
+# a few argmax flips against float32 (docs/benchmarks.md, "bf16 target")
+# the target dtypes distillation runs in (a subset of minispec.config.DTYPES: fp16 training is not supported)
+DTYPES = {name: DTYPES_ALL[name] for name in ("float32", "bfloat16")}
 
 
 class DataError(ValueError):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from minispec import ModelConfig, Transformer
+from minispec.checkpoint import limit_to_tokenizer
 from minispec.tokenizer import load_tokenizer
 
 from .common import TARGET, TOPK, DataError, log
@@ -97,7 +98,8 @@ class Shard:
         po = np.concatenate([[0], np.cumsum(self.prompt_len)])
         ro = np.concatenate([[0], np.cumsum(self.resp_len)])
         for i in range(len(self)):
-            yield (self.prompt_tokens[po[i]:po[i + 1]].astype(np.int64), self.resp_tokens[ro[i]:ro[i + 1]].astype(np.int64))
+            yield (self.prompt_tokens[po[i]:po[i + 1]].astype(np.int64),
+                   self.resp_tokens[ro[i]:ro[i + 1]].astype(np.int64))
 
 
 def shard_paths(data_dir: str | Path) -> list[Path]:
@@ -191,7 +193,8 @@ def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def compute_labels(target: Transformer, shard: Shard, topk: int = TOPK, max_tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def compute_labels(target: Transformer, shard: Shard, topk: int = TOPK,
+                   max_tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Top-k target log-probabilities at every response position of `shard`, by full forward passes.
 
     The logits at position t predict token t+1, so the response token r_j is
@@ -243,10 +246,13 @@ def shard_examples(path: Path, shard: Shard, ids: np.ndarray, logp: np.ndarray) 
 
 
 def load_examples(data_dir: str | Path, labels_dir: str | Path, target_path: str | None = TARGET,
-                  topk: int = TOPK, device: str | None = None, target_dtype: torch.dtype | None = None) -> list[Example]:
+                  topk: int = TOPK, device: str | None = None,
+                  target_dtype: torch.dtype | None = None) -> list[Example]:
     """Every sequence of every shard with its soft labels; missing labels are recomputed with the target."""
     if target_path is not None:
-        check_data_target(data_dir, ModelConfig.load(str(Path(target_path) / "config.json")), load_tokenizer(target_path))
+        tokenizer = load_tokenizer(target_path)
+        cfg = limit_to_tokenizer(ModelConfig.load(str(Path(target_path) / "config.json")), tokenizer)
+        check_data_target(data_dir, cfg, tokenizer)
     target = None
     out = []
     for path in shard_paths(data_dir):

@@ -58,7 +58,8 @@ def init_draft_from_target(draft: Transformer, target_embed: torch.Tensor, weigh
     """
     E = target_embed.float()  # (V, D_target)
     if draft.config.dim > E.shape[1]:
-        raise ValueError(f"draft dim {draft.config.dim} exceeds the target's {E.shape[1]}: cannot project the embedding")
+        raise ValueError(f"draft dim {draft.config.dim} exceeds the target's {E.shape[1]}: "
+                         "cannot project the embedding")
     w = torch.ones(E.shape[0]) if weights is None else weights.float()
     mean = (E * w[:, None]).sum(0) / w.sum()
     X = (E - mean) * w.sqrt()[:, None]

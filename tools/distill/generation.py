@@ -151,7 +151,8 @@ class ContinuousBatch:
     def decode(self) -> None:
         """Run the target on the last token of every active sequence (its logits for the next `sample`)."""
         if self.active:
-            self.logits = self.target.step(self.cache, [r.seq for r in self.active], [[r.response[-1]] for r in self.active])
+            self.logits = self.target.step(self.cache, [r.seq for r in self.active],
+                                           [[r.response[-1]] for r in self.active])
 
 
 class ShardWriter:

@@ -320,7 +320,8 @@ class Trainer:
     def should_stop(self) -> bool:
         s = self.schedule
         return ((s.minutes is not None and time.time() - self.start > 60 * s.minutes)
-                or (s.max_steps is not None and self.run.step >= s.max_steps) or (s.stop is not None and s.stop.requested))
+                or (s.max_steps is not None and self.run.step >= s.max_steps)
+                or (s.stop is not None and s.stop.requested))
 
     def next_epoch(self) -> None:
         """After a finished epoch, read the data again (pacing to the generator with min_growth); then shuffle."""
@@ -365,7 +366,8 @@ class Trainer:
         run, s = self.run, self.schedule
         val = evaluate(run.draft, self.data.validation, self.head_index, run.cfg) if self.data.validation else {}
         rec = {"step": run.step, "epoch": run.epoch, "time": round(time.time() - self.start),
-               "train_soft": self.ema["soft"], "train_agree": self.ema["agree"], **{f"val_{k}": v for k, v in val.items()}}
+               "train_soft": self.ema["soft"], "train_agree": self.ema["agree"],
+               **{f"val_{k}": v for k, v in val.items()}}
         with open(self.metrics_file, "a") as f:
             f.write(json.dumps(rec) + "\n")
         log(json.dumps(rec))
