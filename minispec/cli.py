@@ -15,18 +15,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .config import DTYPES
 from .drafters import PROMPT_LOOKUP
-from .equivalence import (DEFAULTS, ENGINES, MIN_SAMPLES, ORDERS, EquivalenceInputError, audit_samples, exported,
-                          plot_report, run_equivalence)
-from .errors import one_line
+from .equivalence import (
+    DEFAULTS,
+    ENGINES,
+    MIN_SAMPLES,
+    ORDERS,
+    EquivalenceInputError,
+    audit_samples,
+    exported,
+    plot_report,
+    run_equivalence,
+)
+from .errors import MAX_SEED, check_compatible, one_line
 from .model import Transformer
-from .speculative import SAMPLERS
+from .speculative import AUTO_FIXED, SAMPLERS
+from .threads import fixed_threads
 
 
 class CLIError(RuntimeError):
@@ -34,7 +46,8 @@ class CLIError(RuntimeError):
 
 
 class UsageError(ValueError):
-    """Bad command-line input found after argument parsing (a prompt file, a prompt that encodes to nothing): exit status 2."""
+    """Bad command-line input found after argument parsing (a prompt file, a prompt that encodes to nothing):
+    exit status 2."""
 
 
 # ---- argument types: a bad value is an argparse error (exit status 2) naming the option
@@ -52,13 +65,17 @@ def _int_at_least(lo: int):
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+    """A finite number in the interval (inf and nan are refused even where hi is inf: no setting takes them)."""
     def parse(s: str) -> float:
         try:
             v = float(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{s!r} is not a finite number")
         if not (lo < v if lo_open else lo <= v) or not (v < hi if hi_open else v <= hi):
-            raise argparse.ArgumentTypeError(f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+            interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            raise argparse.ArgumentTypeError(f"{v} is outside {interval}")
         return v
     return parse
 
@@ -73,6 +90,11 @@ def _checkpoint_dir(s: str) -> str:
 
 def k_argument(s: str) -> int | str:
     return "auto" if s == "auto" else _int_at_least(1)(s)
+
+
+def generate_k_argument(s: str) -> int | str:
+    """generate's --k: also auto-fixed, k="auto" with fixed step costs (reproducible from the seed)."""
+    return AUTO_FIXED if s == AUTO_FIXED else k_argument(s)
 
 
 def _draft(s: str) -> str:
@@ -114,25 +136,28 @@ def _device(s: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 # ---- generate
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint")
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="speculative decoding with this draft checkpoint, or with prompt lookup (n-gram drafts)")
-    p.add_argument("--k", type=k_argument, default="auto",
+    p.add_argument("--k", type=generate_k_argument, default="auto",
                    help="draft tokens proposed per round, or 'auto' (the default): chosen each round from the "
-                        "measured acceptance rate and step costs, plain decoding when speculation would not pay")
+                        "measured acceptance rate and step costs, plain decoding when speculation would not pay; "
+                        f"or '{AUTO_FIXED}': chosen from the acceptance rate with fixed step costs (the configs' "
+                        "sizes), so that --seed fixes the tokens")
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the checkpoint's chat template")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message with the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64, help="default 64")
     p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_int_at_least(1), default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
-    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="the same seed gives the same tokens (default 0)")
+    p.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
+                   help="the same seed gives the same tokens, except with --draft and --k auto: k then follows "
+                        "measured timings, so the tokens can differ run to run (their distribution is exact "
+                        f"either way); --k {AUTO_FIXED} or a number keeps them fixed (default 0)")
     p.add_argument("--device", type=device_argument, default=None,
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: as stored)")
@@ -144,18 +169,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def load_target(path: str, device, dtype: str | None = None) -> Transformer:
     """The target in `dtype` (a DTYPES name), or as stored."""
-    return Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    return Transformer.from_pretrained(path, device=device, dtype=DTYPES[dtype] if dtype else None)
 
 
 def load_draft(path: str, device, target: Transformer, dtype: str | None = None) -> Transformer:
     """A draft in `dtype` ("int4": int4 products), or as its config.json says (int4 on a CPU) or as stored, except
-    that a bfloat16 draft (SmolLM2's) computes in the target's dtype on a CPU, where bf16 has no fast kernels
-    without AMX or AVX-512 BF16. The output stays the target's."""
+    that a bfloat16 draft (SmolLM2's) computes in the target's dtype on a CPU, where bf16 has no fast kernels on
+    most machines (docs/benchmarks.md, "bf16 target"). The output stays the target's."""
     if dtype == "int4":
         if torch.device(device or "cpu").type != "cpu":
             raise CLIError(f"--draft-dtype int4 runs on a CPU, not {device}")
         return Transformer.from_pretrained(path, device=device, int4=True)
-    draft = Transformer.from_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+    draft = Transformer.from_pretrained(path, device=device, dtype=DTYPES[dtype] if dtype else None,
                                         int4=False if dtype else None)
     if dtype is None and draft.dtype == torch.bfloat16 and draft.device.type == "cpu":
         draft = draft.to(target.dtype)
@@ -181,11 +206,7 @@ def run_generate(args: argparse.Namespace) -> int:
         draft = PROMPT_LOOKUP
     elif args.draft is not None:
         draft = load_draft(args.draft, device, target, args.draft_dtype)
-        if draft.tokenizer is not None and draft.tokenizer.fingerprint != tok.fingerprint:
-            raise CLIError(f"the draft {args.draft} and the target {args.target} have different tokenizers "
-                           "(fingerprints differ); speculative decoding needs one shared vocabulary")
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise CLIError(f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}")
+        check_compatible(target, draft)
 
     stream = tok.decoder_stream(skip_special_tokens=True)
 
@@ -209,7 +230,8 @@ def run_generate(args: argparse.Namespace) -> int:
     summary = (f"{len(new)} tokens in {elapsed:.2f} s: {len(new) / max(elapsed, 1e-9):.1f} tokens/s "
                f"(prompt {len(ids)} tokens, prefill included)")
     if stats is not None:
-        k = args.k if args.k != "auto" else f"auto (mean {sum(stats.k_chosen) / max(len(stats.k_chosen), 1):.1f})"
+        mean_k = sum(stats.k_chosen) / max(len(stats.k_chosen), 1)
+        k = args.k if isinstance(args.k, int) else f"{args.k} (mean {mean_k:.1f})"
         summary += (f"; speculation k={k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
                     f"{stats.mean_accepted:.2f} tokens per round")
     print(summary, file=sys.stderr)
@@ -283,7 +305,8 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the target-only calibration run (halves the time)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--plot", metavar="OUT.png", help="write the u histograms per position (needs matplotlib)")
-    p.add_argument("--device", type=device_argument, default=None, metavar="DEV", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--device", type=device_argument, default=None, metavar="DEV",
+                   help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the target's compute dtype, for sampling and scoring (default: as stored)")
     p.add_argument("--draft-dtype", choices=(*DTYPES, "int4"), default=None,
@@ -371,7 +394,8 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     device = _device(args.device)
     target = load_target(args.target, device, args.dtype)
     label = lambda path, dtype: path if dtype is None else f"{path} ({dtype})"  # noqa: E731
-    test = dict(seed=args.seed, alpha=args.alpha, bins=args.bins, orders=ORDERS if args.order == "both" else (args.order,),
+    orders = ORDERS if args.order == "both" else (args.order,)
+    test = dict(seed=args.seed, alpha=args.alpha, bins=args.bins, orders=orders,
                 reference=not args.no_reference, batch_size=args.batch_size, progress=True, power_runs=args.power_runs,
                 names={"target": label(args.target, args.dtype), "draft": label(args.draft, args.draft_dtype)})
     if args.samples_file is not None:
@@ -381,7 +405,8 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
         if args.engine == "minispec":
-            draft = args.draft if args.draft == PROMPT_LOOKUP else load_draft(args.draft, device, target, args.draft_dtype)
+            draft = (args.draft if args.draft == PROMPT_LOOKUP
+                     else load_draft(args.draft, device, target, args.draft_dtype))
             report = run_equivalence(target, draft, prompts, **sampling, **test)
         else:
             with exported({"target": args.hf_target or args.target,
@@ -410,17 +435,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args) -> int:
-    """tools/bench.py lives beside the package in a source checkout; it is not part of the installed library."""
-    import runpy
-    script = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    """tools/bench.py lives beside the package in a source checkout; it is not part of the installed library.
+
+    It runs as its own process, as `python tools/bench.py ...` would (its folder on sys.path for its modules),
+    importing this same minispec; its output and exit status are the command's."""
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    script = root / "tools" / "bench.py"
     if not script.is_file():
         raise CLIError(f"{script} not found: the benchmark runs from a source checkout of minispec")
-    sys.argv = [str(script), *args.bench_args]
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, str(script), *args.bench_args], env=env).returncode
 
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
@@ -434,7 +460,8 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minispec",
-                                     description="minispec: a small Llama-family transformer with exact speculative decoding")
+                                     description="minispec: a small Llama-family transformer with exact "
+                                                 "speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -448,9 +475,18 @@ def _out_of_memory() -> tuple[type[BaseException], ...]:
     return MemoryError, torch.OutOfMemoryError
 
 
+def _check_environment() -> None:
+    """The settings minispec reads from the environment, checked before any model loads (a UsageError)."""
+    try:
+        fixed_threads()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_environment()
         return args.run(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)

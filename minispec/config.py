@@ -18,14 +18,19 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 from .errors import InputError, is_int, is_number, show
 
 FORMAT_VERSION = 1
+# the compute dtypes a model can be loaded in, by the name the command lines' --dtype options take
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the largest count or size a config may give (vocab_size, dim, n_layers, max_seq_len, ...): a product of two
 # of them still fits torch's int64 indices. A config is only a description: loaders compare these counts with
 # what the weights file holds before they build anything.
 MAX_COUNT = 2**31 - 1
-MAX_JSON_BYTES = 64 * 2**20  # a config-like JSON file (config.json, index.json, tokenizer_config.json) larger than this is refused
+# a config-like JSON file (config.json, index.json, tokenizer_config.json) larger than this is refused
+MAX_JSON_BYTES = 64 * 2**20
 # Llama 3 rope scaling: the keys besides rope_type and the defaults Hugging Face uses for the optional ones
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _COUNT_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
@@ -72,9 +77,11 @@ def check_rope_scaling(rs) -> None:
         raise ConfigError(f"rope_scaling type {show(kind)} is not supported (only 'llama3'); got {show(rs, 200)}")
     unknown = sorted(set(rs) - {"rope_type", "type", "factor", *LLAMA3_DEFAULTS})
     if unknown:
-        raise ConfigError(f"llama3 rope_scaling has unknown key(s) {unknown}; known: factor, {', '.join(LLAMA3_DEFAULTS)}")
+        raise ConfigError(f"llama3 rope_scaling has unknown key(s) {unknown}; "
+                          f"known: factor, {', '.join(LLAMA3_DEFAULTS)}")
     if "factor" not in rs:
-        raise ConfigError(f"llama3 rope_scaling needs 'factor' (how much longer the context became); got {show(rs, 200)}")
+        raise ConfigError("llama3 rope_scaling needs 'factor' (how much longer the context became); "
+                          f"got {show(rs, 200)}")
     check_float("rope_scaling.factor", rs["factor"], lo=1.0, lo_open=False)  # as transformers requires: >= 1
     lo = check_float("rope_scaling.low_freq_factor", rs.get("low_freq_factor", LLAMA3_DEFAULTS["low_freq_factor"]))
     hi = check_float("rope_scaling.high_freq_factor", rs.get("high_freq_factor", LLAMA3_DEFAULTS["high_freq_factor"]))
@@ -95,13 +102,21 @@ class ModelConfig:
     ffn_dim: int | None = None  # SwiGLU hidden width; None = Llama's rule (8/3 * dim rounded up to 256)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base frequency
-    rope_scaling: dict | None = None  # None, or Llama-3 style {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    # None, or Llama-3 style {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
     max_seq_len: int = 2048  # longest sequence (prompt + generated) the model accepts
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
-    head_vocab_size: int | None = None  # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get logit -inf. None = every id
+    # lm_head scores only this many token ids (a draft's frequent-token subset, stored as `head_ids`); the rest get
+    # logit -inf. None = every id
+    head_vocab_size: int | None = None
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 style)
-    sampled_vocab_size: int | None = None  # ids at or above this are padding rows of the embedding (Qwen2: 151,665 tokens, 151,936 rows): their logits are -inf, so they are never sampled. None = every id is a token
-    int4: bool = False  # a CPU loads the products in int4 (Model.to_int4): a draft's fast form, never a target's (not exact); stored weights stay float
+    # ids at or above this are padding rows of the embedding (Qwen2: 151,665 tokens, 151,936 rows): their logits are
+    # -inf, so they are never sampled. None = every id is a token
+    sampled_vocab_size: int | None = None
+    # a CPU loads the products in int4 (Model.to_int4): a draft's fast form, never a target's (not exact); stored
+    # weights stay float
+    int4: bool = False
     bos_id: int | None = None  # beginning-of-sequence token id, if the tokenizer has one
     eos_id: int | list[int] | None = None  # end-of-sequence id(s): the default stop tokens
 
@@ -131,12 +146,14 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ModelConfig.{name} must be true or false, got {show(getattr(self, name))}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+            raise ConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                              "(grouped-query attention)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.head_vocab_size is not None:
             if not is_int(self.head_vocab_size) or not 1 <= self.head_vocab_size <= self.vocab_size:
-                raise ConfigError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {show(self.head_vocab_size)}")
+                raise ConfigError(f"head_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, "
+                                  f"got {show(self.head_vocab_size)}")
             if self.tie_embeddings:
                 raise ConfigError("head_vocab_size (a subset lm_head) needs tie_embeddings=False")
         check_float("ModelConfig.norm_eps", self.norm_eps, hi=1.0)
@@ -144,7 +161,8 @@ class ModelConfig:
         check_rope_scaling(self.rope_scaling)
         eos = self.eos_id
         if not (eos is None or is_int(eos) or isinstance(eos, (list, tuple)) and eos and all(map(is_int, eos))):
-            raise ConfigError(f"ModelConfig.eos_id must be a token id, a non-empty list of ids, or None, got {show(eos)}")
+            raise ConfigError("ModelConfig.eos_id must be a token id, a non-empty list of ids, or None, "
+                              f"got {show(eos)}")
         if self.sampled_vocab_size is not None and (
                 not is_int(self.sampled_vocab_size) or not 1 <= self.sampled_vocab_size <= self.vocab_size):
             raise ConfigError(f"sampled_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, "
@@ -176,16 +194,18 @@ class ModelConfig:
         return {"format": "minispec", "format_version": FORMAT_VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+    def from_dict(cls, d: dict, source: str = "config") -> ModelConfig:
         d = dict(d)
         d.pop("format", None)
         version = d.pop("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION or not is_int(version):
-            raise ConfigError(f"{source}: format_version {show(version)} is not supported (this minispec reads {FORMAT_VERSION})")
+            raise ConfigError(f"{source}: format_version {show(version)} is not supported "
+                              f"(this minispec reads {FORMAT_VERSION})")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"{source}: unknown ModelConfig field(s) {show(unknown, 200)}; known fields: {sorted(known)}")
+            raise ConfigError(f"{source}: unknown ModelConfig field(s) {show(unknown, 200)}; "
+                              f"known fields: {sorted(known)}")
         try:
             return cls(**d)
         except TypeError as e:  # missing required fields
@@ -199,7 +219,7 @@ class ModelConfig:
             f.write("\n")
 
     @classmethod
-    def load(cls, path: str) -> "ModelConfig":
+    def load(cls, path: str) -> ModelConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
         return cls.from_dict(read_json(path), source=path)
@@ -213,13 +233,15 @@ def read_json(path, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """
     size = os.path.getsize(path)
     if size > max_bytes:
-        raise ConfigError(f"{path} is {size} bytes, more than the {max_bytes} a JSON config may have; is it the right file?")
+        raise ConfigError(f"{path} is {size} bytes, more than the {max_bytes} a JSON config may have; "
+                          "is it the right file?")
     with open(path, "rb") as f:
         raw = f.read(max_bytes + 1)
     try:
         d = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); JSON files must be UTF-8") from None
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          "JSON files must be UTF-8") from None
     except RecursionError:
         raise ConfigError(f"{path} nests JSON too deeply to be a config") from None
     except ValueError as e:  # json.JSONDecodeError, and int() past Python's digit limit

@@ -4,7 +4,9 @@ A statistical test that passes the exact sampler proves little until it is shown
 to fail a wrong one. Each control here is `ExactSampler` with exactly one step
 replaced by a plausible mistake, registered under its name in
 `speculative.SAMPLERS`, so `speculate(..., sampler="no-residual")` runs it
-through the same loop as the exact algorithm:
+through the same loop as the exact algorithm. This module is the one list of
+them (`CONTROLS`: their names); the command line and the tests read the names
+from the registry:
 
 - "no-residual": after a rejection, resample from p instead of norm(max(0, p - q))
   (over-weights the tokens the draft already likes);
@@ -21,16 +23,25 @@ through the same loop as the exact algorithm:
 
 At temperature 0 only "always-accept" differs from exact: with one-hot p and q
 the residual is p, and a one-hot draw reports the same q either way (and a
-greedy draft is already what "greedy-draft" makes of every draft).
-"""
+greedy draft is already what "greedy-draft" makes of every draft). Where a
+control cannot show at all, `Control.silent` says why."""
 
 from __future__ import annotations
 
-from .sampling import sample_rows
+from .drafters import PromptLookupDrafter
+from .sampling import SamplingParams, sample_rows
 from .speculative import SAMPLERS, ExactSampler
 
 
-class NoResidual(ExactSampler):
+class Control(ExactSampler):
+    """A negative control: ExactSampler with one step broken."""
+
+    def silent(self, draft, params: SamplingParams) -> list[str]:
+        """Why this control cannot show with this draft and these settings (a test then says nothing about it)."""
+        return []
+
+
+class NoResidual(Control):
     name = "no-residual"
 
     def verify(self, draft_tokens, q, p, uniforms):
@@ -40,7 +51,7 @@ class NoResidual(ExactSampler):
         return n, nxt
 
 
-class AlwaysAccept(ExactSampler):
+class AlwaysAccept(Control):
     name = "always-accept"
 
     def verify(self, draft_tokens, q, p, uniforms):
@@ -52,15 +63,29 @@ class AlwaysAccept(ExactSampler):
         return [len(d) for d in drafts], target.logits(h[list(range(len(drafts))), last]).argmax(-1).tolist()
 
 
-class UnprocessedQ(ExactSampler):
+class BrokenDraw(Control):
+    """A control that breaks a model draft's draw: prompt lookup's q is one-hot whatever the settings."""
+
+    def silent(self, draft, params: SamplingParams) -> list[str]:
+        if isinstance(draft, (str, PromptLookupDrafter)):
+            return [f"{self.name} has no effect with prompt-lookup: its q is one-hot whatever the settings"]
+        return []
+
+
+class UnprocessedQ(BrokenDraw):
     name = "unprocessed-q"
 
     def draw(self, logits, probs, u):
         tokens, _ = super().draw(logits, probs, u)
         return tokens, logits.float().softmax(-1).double().cpu()
 
+    def silent(self, draft, params: SamplingParams) -> list[str]:
+        plain = params.temperature == 1 and params.top_k is None and params.top_p is None
+        return (["unprocessed-q has no effect here: at temperature 1 without top-k/top-p the processed q is the "
+                 "raw softmax"] if plain else []) + super().silent(draft, params)
 
-class GreedyDraft(ExactSampler):
+
+class GreedyDraft(BrokenDraw):
     name = "greedy-draft"
 
     def draw(self, logits, probs, u):
@@ -73,3 +98,4 @@ def register(*samplers: ExactSampler) -> None:
 
 
 register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft())
+CONTROLS = tuple(name for name, s in SAMPLERS.items() if isinstance(s, Control))  # the names, in that order

@@ -6,11 +6,11 @@ cache. `PromptLookupDrafter`: model-free, the n-gram that followed the last toke
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from .errors import check_compatible, check_int
+from .errors import GenerationError, check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
@@ -80,7 +80,7 @@ def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:
 class Drafter:
     """What `speculate` asks of a drafter. Rows are indices into the prompt batch.
 
-    start(prompts, budgets, params, block_size, vocab_size): a new run; prompts and budgets are dicts by row.
+    start(prompts, params, block_size, vocab_size): a new run; prompts is a dict by row.
     propose(rows, ks, contexts, gens) -> (tokens, q): for each rows[j], up to ks[j] tokens and the
         (n_j, V) float64 distributions they were drawn from; contexts[row] is prompt + committed tokens;
         gens[row] is the row's generator (a drafter that samples must draw only from it).
@@ -91,7 +91,7 @@ class Drafter:
 
     steps = 0
 
-    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+    def start(self, prompts, params, block_size, vocab_size) -> None:
         raise NotImplementedError
 
     def propose(self, rows, ks, contexts, gens):
@@ -126,7 +126,7 @@ class ModelDrafter(Drafter):
         self.draw = draw
         self.rows: CachedRows | None = None
 
-    def start(self, prompts, budgets, params: SamplingParams, block_size, vocab_size) -> None:
+    def start(self, prompts, params: SamplingParams, block_size, vocab_size) -> None:
         self.params = params
         self.max_len = self.model.config.max_seq_len
         # a prompt longer than the draft's window never gets drafts: those rounds are plain target steps
@@ -175,7 +175,7 @@ class PromptLookupDrafter(Drafter):
         self.ngram = check_int("ngram", ngram, 1)
         self.min_ngram = check_int("min_ngram", min_ngram, 1, ngram)
 
-    def start(self, prompts, budgets, params, block_size, vocab_size) -> None:
+    def start(self, prompts, params, block_size, vocab_size) -> None:
         self.vocab_size = vocab_size
 
     def lookup(self, context: list[int], k: int) -> list[int]:
@@ -195,16 +195,19 @@ class PromptLookupDrafter(Drafter):
 
 
 def make_drafter(target, draft, draw: Draw = draw_exact) -> Drafter:
-    """A Transformer, "prompt-lookup", or a Drafter -> a Drafter (a Transformer drafts with `draw`)."""
+    """A Transformer, "prompt-lookup", or a Drafter -> a Drafter (a Transformer drafts with `draw`).
+
+    The one check of what may draft for `target` (speculate's, the harness's): a GenerationError says what is
+    wrong, before any model work."""
     if isinstance(draft, str):
         if draft != PROMPT_LOOKUP:
-            raise ValueError(f"unknown drafter {draft!r}; pass a Transformer, 'prompt-lookup' or a Drafter")
+            raise GenerationError(f"unknown drafter {draft!r}; pass a Transformer, 'prompt-lookup' or a Drafter")
         return PromptLookupDrafter()
     if isinstance(draft, ModelDrafter):
         draft = draft.model
     elif isinstance(draft, Drafter):
         return draft
     if not (hasattr(draft, "step") and hasattr(draft, "config")):
-        raise ValueError(f"draft must be a Transformer, 'prompt-lookup' or a Drafter, got {type(draft).__name__}")
+        raise GenerationError(f"draft must be a Transformer, 'prompt-lookup' or a Drafter, got {type(draft).__name__}")
     check_compatible(target, draft)
     return ModelDrafter(draft, draw)

@@ -13,6 +13,8 @@ draft/target pair) live here, so the core reads as the algorithm; other areas ke
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -47,10 +49,10 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-    """`v` if it is an integer (not a bool) in [lo, hi]; else an InputError (a ValueError) naming `name`."""
+def check_int(name: str, v, lo: int, hi: int | None = None, error: type[InputError] = InputError) -> int:
+    """`v` if it is an integer (not a bool) in [lo, hi]; else `error` (an InputError, so a ValueError) naming `name`."""
     if not is_int(v) or v < lo or (hi is not None and v > hi):
-        raise InputError(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
+        raise error(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
     return v
 
 
@@ -58,45 +60,88 @@ class GenerationError(InputError):
     """A prompt, stop token or generation setting that generate (and speculate) refuse."""
 
 
+def token_id(v) -> int | None:
+    """`v` as a Python int if it is an integer token id: an int, or a numpy or torch integer scalar (what
+    transformers-style callers hold); None for a bool, a float, a string or anything else."""
+    if isinstance(v, bool) or type(v).__name__ in ("bool_", "bool"):  # numpy's bool is not Python's bool
+        return None
+    try:
+        i = operator.index(v)
+    except TypeError:
+        return None
+    return None if isinstance(i, bool) else i
+
+
+def _is_id_list(v) -> bool:
+    """A list, tuple or 1-d (or deeper) array of something: one prompt of a batch, not a token id."""
+    return isinstance(v, (list, tuple)) or (hasattr(v, "tolist") and getattr(v, "ndim", 0) >= 1)
+
+
+def _listed(v, what: str) -> list:
+    """An iterable argument as a list, read once (an iterator stays usable); a GenerationError for what is no list."""
+    if hasattr(v, "tolist"):  # numpy arrays, torch tensors
+        v = v.tolist()
+    if v is None or isinstance(v, (str, bytes, Mapping, set, frozenset)) or not isinstance(v, Iterable):
+        raise GenerationError(f"{what} must be a list of token ids (or a list of such lists), got {type(v).__name__}"
+                              + ("; encode text with model.tokenizer.encode(text) first" if isinstance(v, str) else ""))
+    return list(v)
+
+
 def normalize_prompts(model, prompts) -> tuple[list[list[int]], bool]:
-    """Accept list[int] or list[list[int]]; return (batch, was_single). Raises GenerationError on bad input."""
+    """Accept list[int] or list[list[int]] (numpy or torch integers too); return (batch, was_single) as Python ints.
+
+    Raises GenerationError on anything else: None, a string, a dict, floats, a mix of ids and lists."""
     if isinstance(prompts, str):
         raise GenerationError("prompts must be token ids; encode text with model.tokenizer.encode(text) first")
-    if hasattr(prompts, "tolist"):
-        prompts = prompts.tolist()
-    prompts = list(prompts)
+    prompts = _listed(prompts, "prompts")
     if not prompts:
         raise GenerationError("empty prompt: give at least one token id (e.g. the bos token)")
-    single = not isinstance(prompts[0], (list, tuple))
-    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    single = not _is_id_list(prompts[0])
+    if single:
+        raw = [prompts]
+    else:
+        raw = []
+        for i, p in enumerate(prompts):
+            if not _is_id_list(p):
+                raise GenerationError(f"prompt {i} is {show(p)}: a batch is a list of prompts, each a list of "
+                                      "token ids")
+            raw.append(_listed(p, f"prompt {i}"))
     cfg = model.config
-    for i, p in enumerate(batch):
+    batch = []
+    for i, p in enumerate(raw):
         where = "prompt" if single else f"prompt {i}"
         if not p:
             raise GenerationError(f"{where} is empty: give at least one token id (e.g. the bos token)")
-        for t in p:
-            if not is_int(t):
-                raise GenerationError(f"{where} holds {t!r}; token ids must be integers")
+        ids = [token_id(t) for t in p]
+        for t, v in zip(ids, p):
+            if t is None:
+                raise GenerationError(f"{where} holds {show(v)}; token ids must be integers")
             if not 0 <= t < cfg.vocab_size:
-                raise GenerationError(f"{where} holds token id {t}, outside the vocabulary [0, {cfg.vocab_size})")
-        if len(p) > cfg.max_seq_len:
-            raise GenerationError(f"{where} has {len(p)} tokens, longer than max_seq_len={cfg.max_seq_len}")
+                raise GenerationError(f"{where} holds token id {show(t)}, outside the vocabulary "
+                                      f"[0, {cfg.vocab_size})")
+        if len(ids) > cfg.max_seq_len:
+            raise GenerationError(f"{where} has {len(ids)} tokens, longer than max_seq_len={cfg.max_seq_len}")
+        batch.append(ids)
     return batch, single
 
 
 def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
-    """None -> the config's eos id(s); an iterable of ids -> those ([] disables stopping)."""
+    """None -> the config's eos id(s); one id or any iterable of ids (read once) -> those ([] disables stopping)."""
     if stop_tokens is None:
         return frozenset(model.config.stop_ids)
-    if isinstance(stop_tokens, int):
+    if hasattr(stop_tokens, "tolist"):  # numpy arrays and torch tensors, 0-d ones included
+        stop_tokens = stop_tokens.tolist()
+    if token_id(stop_tokens) is not None:
         stop_tokens = [stop_tokens]
-    if isinstance(stop_tokens, str) or not hasattr(stop_tokens, "__iter__"):
-        raise GenerationError(f"stop_tokens must be a list of token ids or None, got {stop_tokens!r}")
+    if isinstance(stop_tokens, (str, bytes, Mapping)) or not isinstance(stop_tokens, Iterable):
+        raise GenerationError(f"stop_tokens must be a list of token ids or None, got {show(stop_tokens)}")
+    given = list(stop_tokens)  # an iterator is read once: the check below and the set both use this list
     vocab = model.config.vocab_size
-    for t in stop_tokens:
-        if not is_int(t) or not 0 <= t < vocab:  # 1.5 or "2" would never match
-            raise GenerationError(f"stop_tokens holds {t!r}; stop tokens must be integer ids in [0, {vocab})")
-    return frozenset(stop_tokens)
+    ids = [token_id(t) for t in given]
+    for t, v in zip(ids, given):
+        if t is None or not 0 <= t < vocab:  # 1.5 or "2" would never match
+            raise GenerationError(f"stop_tokens holds {show(v)}; stop tokens must be integer ids in [0, {vocab})")
+    return frozenset(ids)
 
 
 def check_max_new_tokens(n) -> None:
@@ -106,21 +151,23 @@ def check_max_new_tokens(n) -> None:
 
 
 def check_compatible(target, draft) -> None:
-    """Draft and target must share the vocabulary and the tokenizer: the rule compares token ids."""
+    """Draft and target must share the vocabulary and the tokenizer: the acceptance rule compares token ids.
+
+    The one check of a draft/target pair, wherever a pair is formed (speculate, the command line, the harness)."""
     tv, dv = target.config.vocab_size, draft.config.vocab_size
     if tv != dv:
-        raise ValueError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding compares "
-                         "token ids, so draft and target must share one tokenizer and vocabulary")
+        raise GenerationError(f"draft vocab_size={dv} differs from target vocab_size={tv}: speculative decoding "
+                              "compares token ids, so draft and target must share one tokenizer and vocabulary")
     tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     if (tt is None) != (dt is None):
         which = "target" if dt is None else "draft"
-        raise ValueError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both from "
-                         "checkpoints with the same tokenizer (or attach the same tokenizer to both)")
+        raise GenerationError(f"only the {which} has a tokenizer, so they cannot be checked to match; load both "
+                              "from checkpoints with the same tokenizer (or attach the same tokenizer to both)")
     if tt is not None and tt is not dt:
         ft, fd = getattr(tt, "fingerprint", None), getattr(dt, "fingerprint", None)
         if ft != fd:
-            raise ValueError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
-                             "speculative decoding needs one shared tokenizer")
+            raise GenerationError(f"draft and target tokenizers differ (fingerprints {fd!r} vs {ft!r}); "
+                                  "speculative decoding needs one shared tokenizer")
 
 
 class SamplingError(InputError):
@@ -133,7 +180,7 @@ def check_seed(seed) -> None:
         raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
 
 
-def check_sampling(temperature, top_k, top_p, seed) -> None:
+def check_sampling(temperature, top_k, top_p) -> None:
     """The settings of a SamplingParams: each refused with a SamplingError that names it."""
     if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {temperature!r}")
@@ -141,7 +188,6 @@ def check_sampling(temperature, top_k, top_p, seed) -> None:
         raise SamplingError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
     if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
         raise SamplingError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    check_seed(seed)
 
 
 def unsampleable(logits: torch.Tensor) -> str | None:
@@ -171,9 +217,67 @@ def check_token_ids(tokens, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_proposal(drafter, rows: list[int], ks: list[int], drafts: list[list[int]]) -> None:
-    """A drafter must not propose more tokens for a row than it was asked for (a bug in a custom Drafter)."""
-    for k, d, row in zip(ks, drafts, rows):
+def check_proposal(drafter, rows: list[int], ks: list[int], proposal, vocab_size: int) -> tuple[list, list]:
+    """What a drafter's propose() returned, checked: per row at most k integer ids in the vocabulary, each with
+    its (n, V) distribution. A GenerationError naming the drafter's class (a bug in a custom Drafter) rather
+    than a broadcasting or indexing error inside the acceptance step. Returns (drafts as lists of Python ints, qs)."""
+    name = type(drafter).__name__
+    drafts, qs = proposal if isinstance(proposal, tuple) and len(proposal) == 2 else (None, None)
+    listed = isinstance(drafts, (list, tuple)) and isinstance(qs, (list, tuple))
+    if not (listed and len(drafts) == len(qs) == len(rows)):
+        raise GenerationError(f"{name}.propose must return (tokens, q): two lists with one entry per row asked for "
+                              f"({len(rows)})")
+    out = []
+    for k, d, q, row in zip(ks, drafts, qs, rows):
+        d = d.tolist() if hasattr(d, "tolist") else d
+        if not isinstance(d, (list, tuple)):
+            raise GenerationError(f"{name} proposed {show(d)} for sequence {row}; a draft is a list of token ids")
         if len(d) > max(k, 0):
-            raise RuntimeError(f"{type(drafter).__name__} proposed {len(d)} tokens for sequence {row}, "
-                               f"more than the {k} asked for")
+            raise GenerationError(f"{name} proposed {len(d)} tokens for sequence {row}, more than the {k} asked for")
+        ids = [token_id(t) for t in d]
+        bad = next((v for t, v in zip(ids, d) if t is None or not 0 <= t < vocab_size), None)
+        if bad is not None or any(t is None for t in ids):
+            raise GenerationError(f"{name} proposed token {show(bad)} for sequence {row}, not an id in the "
+                                  f"vocabulary [0, {vocab_size})")
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else None
+        if shape != (len(d), vocab_size):
+            raise GenerationError(f"{name} returned q of shape {shape if shape is not None else type(q).__name__} "
+                                  f"for sequence {row}; it must be a ({len(d)}, {vocab_size}) tensor: one "
+                                  "distribution over the vocabulary per proposed token")
+        out.append(ids)
+    return out, list(qs)
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    """None, a floating torch.dtype, or one of minispec.config.DTYPES' names ("float16", ...) -> a torch.dtype
+    or None. Anything else is an InputError: a string is never handed to torch to be read some other way."""
+    from .config import DTYPES  # here: config imports this module
+
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise InputError(f"dtype must be None, a floating torch.dtype or one of {', '.join(DTYPES)}, got {show(dtype)}")
+
+
+def resolve_device(device) -> torch.device | None:
+    """None, or a device torch can use on this machine, as a torch.device; an InputError naming it otherwise
+    ("potato", "cuda" on a machine without CUDA, "cuda:7" on one with two GPUs, "meta")."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(f"{show(device)} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
+    if dev.type == "cpu":
+        return dev
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if dev.type == "meta" or backend is None or not hasattr(backend, "is_available"):
+        raise InputError(f"device {str(dev)!r} cannot run a model here; use cpu or cuda")
+    if not backend.is_available():
+        raise InputError(f"device {str(dev)!r} is not available on this machine (torch {torch.__version__} sees no "
+                         f"{dev.type}); use cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if dev.index is not None and dev.index >= count:
+        raise InputError(f"device {str(dev)!r} does not exist: this machine has {count} {dev.type} device(s)")
+    return dev

@@ -6,10 +6,10 @@ together in one forward pass, then decode together; a sequence that stops leaves
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .cache import MAX_BLOCK_SIZE
-from .errors import check_int, check_logits, check_max_new_tokens, normalize_prompts, resolve_stop_tokens
+from .errors import check_int, check_logits, check_max_new_tokens, check_seed, normalize_prompts, resolve_stop_tokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
@@ -26,7 +26,8 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     on_tokens(i, tokens): called as tokens are committed, for streaming.
     Returns the new tokens only: list[int], or list[list[int]] for a batch.
     """
-    params = SamplingParams(temperature, top_k, top_p, seed)
+    params = SamplingParams(temperature, top_k, top_p)
+    check_seed(seed)
     check_max_new_tokens(max_new_tokens)
     check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
     batch, single = normalize_prompts(model, prompts)

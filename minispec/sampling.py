@@ -17,13 +17,15 @@ from .errors import SamplingError, check_logits, check_sampling, check_seed, uns
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What shapes the distribution sampled from; the seed is not one of them (generate and speculate take it and
+    make the generators: make_generators)."""
+
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
     top_k: int | None = None  # keep the k most likely tokens; None = all
     top_p: float | None = None  # keep the smallest set whose probability reaches top_p; None = 1.0
-    seed: int | None = None  # seeds the sampling generator; the same seed gives the same tokens
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:

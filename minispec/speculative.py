@@ -14,9 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AdaptiveK, auto_k, best_k, expected_tokens  # noqa: F401 (best_k, expected_tokens: re-exported)
+from .adaptive import AUTO_FIXED, AdaptiveK, auto_k, best_k, expected_tokens, fixed_cost_ratio  # noqa: F401
 from .drafters import CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, draw_exact, make_drafter  # noqa: F401
-from .errors import check_max_new_tokens, check_proposal, normalize_prompts, resolve_stop_tokens
+from .errors import (
+    GenerationError,
+    check_max_new_tokens,
+    check_proposal,
+    check_seed,
+    is_int,
+    normalize_prompts,
+    resolve_stop_tokens,
+    show,
+)
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 
@@ -70,10 +79,8 @@ def verify(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor, uniforms: 
 
 
 # Positions of one row that greedy_verify scores in one lm_head product: a round of k <= 8 drafts (k="auto"'s
-# range) in one. A product's rows come cheap beside a second product: the 151936 x 1536 head of
-# Qwen2.5-Coder-1.5B cost 31 ms + 2.1 ms a row over 1-36 rows on the Zen 4 EPYC (2026-12-02; 78 / 67 / 84
-# / 65 / 82 / 98 ms for 1-6 rows on the AVX2 one), so chunks of 4 paid a second product in every round
-# that accepted 4 drafts; 9 ran greedy k=4 / 8 / auto 1.00-1.06x faster, interleaved.
+# range) in one, since another row of a product costs little beside a second product over the whole head
+# (docs/benchmarks.md, "Cost model").
 GREEDY_HEAD_CHUNK = 9
 
 
@@ -119,7 +126,7 @@ class ExactSampler:
 SAMPLERS: dict[str, ExactSampler] = {"exact": ExactSampler()}
 
 
-def get_sampler(sampler: "str | ExactSampler") -> ExactSampler:
+def get_sampler(sampler: str | ExactSampler) -> ExactSampler:
     """A sampler by name (or the object itself)."""
     if isinstance(sampler, ExactSampler):
         return sampler
@@ -157,7 +164,7 @@ class SpeculativeStats:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     @classmethod
-    def combined(cls, stats: "list[SpeculativeStats]") -> "SpeculativeStats":
+    def combined(cls, stats: list[SpeculativeStats]) -> SpeculativeStats:
         """The stats of several runs as one: counts and times summed, per-position counts added, k's joined."""
         out = cls()
         for st in stats:
@@ -189,38 +196,44 @@ class SpeculativeResult:
     tokens: list  # list[int] for one prompt, list[list[int]] for a batch: the new tokens only
     stats: SpeculativeStats
     # with keep_caches=True: the target's and the model drafter's CachedRows (cache, seq and pending per row)
-    caches: tuple["CachedRows", "CachedRows | None"] | None = None
+    caches: tuple[CachedRows, CachedRows | None] | None = None
 
 
 @torch.inference_mode()
-def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_tokens: int = 64, temperature: float = 0.0,
+def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_tokens: int = 64, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
-              on_tokens: OnTokens | None = None, block_size: int = 16, sampler: "str | ExactSampler" = "exact",
+              on_tokens: OnTokens | None = None, block_size: int = 16, sampler: str | ExactSampler = "exact",
               keep_caches: bool = False) -> SpeculativeResult:
     """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
     k: draft tokens per round; "auto" picks k each round from the running acceptance estimate and the
       measured step costs (AdaptiveK; 0 = plain decoding when speculation would not pay), carried over
-      from earlier calls with the same draft, sampling settings and batch size (see auto_k); or an
-      AdaptiveK of your own.
+      from earlier calls with the same draft, sampling settings and batch size (see auto_k): the output's
+      distribution is exact, but the tokens of a seed can vary run to run with the timings; "auto-fixed"
+      adapts k from the acceptance alone with fixed step costs (fixed_cost_ratio), so a seed always gives
+      the same tokens; or an AdaptiveK of your own.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
       minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
-    sampler: "exact", or the name of a deliberately broken negative control
-      (minispec.controls: "no-residual", "always-accept", "unprocessed-q").
+    sampler: "exact", or the name of a deliberately broken negative control (minispec.controls describes
+      each; SAMPLERS holds every name).
     keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
     """
-    params = SamplingParams(temperature, top_k, top_p, seed)
+    params = SamplingParams(temperature, top_k, top_p)
+    check_seed(seed)  # here, before the prefills: the generators are made after them
     check_max_new_tokens(max_new_tokens)
     policy = get_sampler(sampler)
-    if k != "auto" and not isinstance(k, AdaptiveK) and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise ValueError(f"k (draft tokens per round) must be an integer >= 1 or 'auto', got {k!r}")
+    if not (k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)):
+        raise GenerationError(f"k (draft tokens per round) must be an integer >= 1, 'auto', '{AUTO_FIXED}' or an "
+                              f"AdaptiveK, got {show(k)}")
     stats = SpeculativeStats()
     drafter = make_drafter(target, draft, policy.draw)
     batch, single = normalize_prompts(target, prompts)
     adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
     if k == "auto":
         adaptive = auto_k(target, draft, params, len(batch), policy.name)
+    elif k == AUTO_FIXED:  # nothing measured or carried over: the same call gives the same k's, so the same tokens
+        adaptive = AdaptiveK(cost_ratio=fixed_cost_ratio(target, drafter))
     stops = resolve_stop_tokens(target, stop_tokens)
     out: list[list[int]] = [[] for _ in batch]
     max_len = target.config.max_seq_len
@@ -230,7 +243,7 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         return SpeculativeResult(out[0] if single else out, stats)
     live_prompts = {i: batch[i] for i in active}
     tgt = CachedRows(target, live_prompts, block_size)
-    drafter.start(live_prompts, {i: budgets[i] for i in active}, params, block_size, target.config.vocab_size)
+    drafter.start(live_prompts, params, block_size, target.config.vocab_size)
     gens = make_generators(seed, len(batch))
     contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
     while active:
@@ -238,9 +251,9 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
         # a round commits at most k + 1 tokens: never draft past a row's remaining budget
         ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
         t0 = time.perf_counter()
-        drafts, qs = drafter.propose(active, ks, contexts, gens)
+        proposal = drafter.propose(active, ks, contexts, gens)
         t1 = time.perf_counter()
-        check_proposal(drafter, active, ks, drafts)
+        drafts, qs = check_proposal(drafter, active, ks, proposal, target.config.vocab_size)
         n_pending = [len(tgt.pending[i]) for i in active]
         # ONE target pass verifies the whole batch: hidden states (B, T, dim); p_1..p_{k+1} of row b come
         # from those at its last pending token and at each of its drafts
@@ -269,10 +282,10 @@ def speculate(target, draft, prompts, k: "int | str | AdaptiveK" = 4, max_new_to
             contexts[i] += new
             stats.committed += len(new)
             if on_tokens is not None:
-                on_tokens(i, new)
+                on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
             tgt.commit(i, new)
             drafter.commit(i, new)
-            if new[-1] in stops or len(out[i]) >= budgets[i]:
+            if out[i][-1] in stops or len(out[i]) >= budgets[i]:
                 if not keep_caches:
                     tgt.free(i)
                 drafter.finish(i, keep=keep_caches)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 import minispec.checkpoint as ckpt
 from minispec import CheckpointError, Transformer
 
-from conftest import tiny_model
+from helpers import tiny_model
 
 
 def saved(tmp_path, **kw):
@@ -57,7 +57,8 @@ def rewrite(path, fn):
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
     _, path = saved(tmp_path)
     rewrite(path, lambda s: s.__setitem__("layers.1.mlp.up_proj.weight", torch.zeros(3, 32)))
-    with pytest.raises(CheckpointError, match=r"'layers.1.mlp.up_proj.weight' has shape \(3, 32\), the config expects \(256, 32\)"):
+    shape = r"'layers.1.mlp.up_proj.weight' has shape \(3, 32\), the config expects \(256, 32\)"
+    with pytest.raises(CheckpointError, match=shape):
         Transformer.from_pretrained(path)
 
 

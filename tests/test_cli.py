@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
 
+from helpers import SMOL_DRAFT, require_smollm2
 from minispec.cli import main
-
-from conftest import ROOT, SMOL_DRAFT, require_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +53,6 @@ def test_generate_bad_arguments_exit_2(smol_dirs, capsys, extra, match):
 @pytest.mark.slow
 def test_bench_spec_smoke(smol_dirs, tmp_path):
     """tools/bench.py spec end to end at a tiny size: every contender runs and lands in the table."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import bench
 
     res = bench.bench_spec(*smol_dirs, new_tokens=6, repeats=1, threads=1, ks=(2,), batch_sizes=(1, 2),
@@ -67,7 +64,8 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
     assert {r["phase"] for r in res["rows"] if r["engine"].startswith("transformers")} == {2}  # a phase of its own
     assert all(r["tok_s"] > 0 for r in res["rows"])
     assert res["cost_samples"] == len(bench.BENCH_PROMPTS)  # the step costs: one probe after every prompt's rows
-    spec2 = next(r for r in res["rows"] if r["engine"] == "minispec speculate" and r["k"] == 2 and r["temperature"] == 0)
+    spec2 = next(r for r in res["rows"]
+                 if r["engine"] == "minispec speculate" and r["k"] == 2 and r["temperature"] == 0)
     assert 1.0 <= spec2["measured_per_round"] <= 3.0 and spec2["predicted_per_round"] >= 1.0
     table = bench.spec_table(res)
     assert table.count("\n|") >= len(res["rows"]) and "Resident memory" in table
@@ -76,7 +74,6 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
 
 def test_bench_merges_stats_over_prompts():
     """The spec table's acceptance and tokens per round cover every bench prompt, not the last one."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import bench
     from minispec.speculative import SpeculativeStats
 
@@ -94,7 +91,6 @@ def test_bench_merges_stats_over_prompts():
 
 def test_bench_cost_model_arithmetic(monkeypatch):
     """The cost model on hand-worked figures: target-only's measured time per token over the modelled one."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import bench
     from minispec import speculative
 
@@ -119,7 +115,6 @@ def test_bench_cost_model_arithmetic(monkeypatch):
 
 def test_bench_greedy_check_smoke(smol_dirs):
     """tools/bench.py greedy: speculate against generate per prompt, the verdict and where they part."""
-    sys.path.insert(0, str(ROOT / "tools"))
     import bench
 
     res = bench.greedy_check(*smol_dirs, texts=["Name a colour.", "Count to three."], new_tokens=6, threads=1)

@@ -21,17 +21,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import convert_hf
+from convert_hf import ConversionError, convert
+from export_hf import export
+from helpers import HF_VOCAB, LLAMA3, TOOLS, hf_logits, leftovers, make_hf, scramble_
+from minispec import ModelConfig, Transformer
+from minispec.checkpoint import CheckpointError
+
 transformers = pytest.importorskip("transformers")
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import convert_hf  # noqa: E402
-from convert_hf import ConversionError, convert  # noqa: E402
-from export_hf import export  # noqa: E402
-
-from conftest import HF_VOCAB, LLAMA3, assert_nothing_left, hf_logits, make_hf, scramble_  # noqa: E402
-from minispec import ModelConfig, Transformer  # noqa: E402
-from minispec.checkpoint import CheckpointError  # noqa: E402
 
 VOCAB, TOL = HF_VOCAB, 1e-4
 
@@ -198,7 +195,7 @@ def test_export_round_trip(tmp_path, case):
     # and back: the converter reads the export as the same model, tensor for tensor
     back = convert(tmp_path / "hf", tmp_path / "back", progress=False)
     assert back == cfg
-    a, b = load_file(str(tmp_path / "ms" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("ms", "back"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -263,14 +260,14 @@ def test_bad_input_fails_clearly_and_leaves_nothing(tmp_path, llama_dir, case):
         convert(src, tmp_path / "out", progress=False)
     for needle in needles:
         assert needle in str(e.value), f"{needle!r} not in the error: {e.value}"
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_mistral_saved_by_transformers_with_window_is_refused(tmp_path):
     make_hf("mistral", sliding_window=16).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match=r"sliding_window=16 < max_position_embeddings=128\) is unsupported"):
         convert(tmp_path / "hf", tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_truncated_bin_fails_clearly(tmp_path):
@@ -279,7 +276,7 @@ def test_truncated_bin_fails_clearly(tmp_path):
     (tmp_path / "hf" / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConversionError, match="pytorch_model.bin cannot be read.*truncated"):
         convert(tmp_path / "hf", tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, llama_dir, monkeypatch):
@@ -289,7 +286,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, llama_dir, monkeypatch):
     monkeypatch.setattr(convert_hf, "copy_files", fail)  # fails after the weights are written to the temp dir
     with pytest.raises(OSError, match="simulated"):
         convert(llama_dir, tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_script_reports_errors_on_stderr(tmp_path, llama_dir):
@@ -299,7 +296,7 @@ def test_script_reports_errors_on_stderr(tmp_path, llama_dir):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "error: architecture GPT2LMHeadModel is not supported" in r.stderr
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_export_of_a_subset_head_draft(tmp_path):

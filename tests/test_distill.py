@@ -1,6 +1,6 @@
-"""tools/distill_draft.py (the package tools/distill/) on a tiny random target: generation resumes without duplicates and matches
-`generate`, training resumes bit-for-bit from its checkpoint, the exported draft loads and shares the
-target's tokenizer, and the greedy round replay counts rounds as speculation does."""
+"""tools/distill_draft.py (the package tools/distill/) on a tiny random target: generation resumes without
+duplicates and matches `generate`, training resumes bit-for-bit from its checkpoint, the exported draft loads and
+shares the target's tokenizer, and the greedy round replay counts rounds as speculation does."""
 
 from __future__ import annotations
 
@@ -8,20 +8,17 @@ import json
 import pickle
 import re
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
+import distill as dd
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import distill as dd  # noqa: E402
-from conftest import write_word_tokenizer  # noqa: E402
-from minispec import CheckpointError, ModelConfig, Transformer  # noqa: E402
-from minispec.tokenizer import load_tokenizer  # noqa: E402
+from helpers import Payload, write_word_tokenizer
+from minispec import CheckpointError, ModelConfig, Transformer
+from minispec.tokenizer import load_tokenizer
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", "You", "are", "a", "helpful",
          "the", "sky", "is", "blue", "why", "tell", "me", "about", "cats", "dogs", "rain", "sun", "and", "."]
@@ -42,8 +39,8 @@ def write_tokenizer(d: Path) -> None:
 def target_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, bos_id=1, eos_id=2,
-                      tie_embeddings=False)
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, bos_id=1,
+                      eos_id=2, tie_embeddings=False)
     m = Transformer(cfg)
     with torch.no_grad():  # large random weights: a context-dependent argmax and a spread-out distribution
         m.lm_head.weight.normal_(0.0, 0.5)
@@ -119,7 +116,10 @@ def test_generated_text_matches_generate_and_labels_match_shards(generated, targ
         np.testing.assert_allclose(re_logp, logp.astype(np.float32), atol=2e-2)
         # --target-dtype bfloat16: the same labels up to bf16 rounding
         bf_ids, bf_logp = dd.compute_labels(target_bf16, shard)
-        assert (bf_ids[:, 0] == ids[:, 0]).mean() > 0.9
+        # the top-1 may differ only at near-ties (a gap in log-probability within bf16's rounding of the logits)
+        gap = re_logp[:, 0] - re_logp[:, 1]
+        assert (bf_ids[:, 0] == ids[:, 0])[gap > 0.1].all()
+        assert (bf_ids[:, 0] == ids[:, 0]).mean() > 0.8
         assert np.abs(bf_logp[:, 0] - logp[:, 0].astype(np.float32)).mean() < 0.05
 
 
@@ -306,16 +306,6 @@ def test_an_interrupted_generate_keeps_its_finished_sequences(target_dir, tmp_pa
     n = dd.generate_stage(target, PROMPTS, tmp_path / "data", tmp_path / "labels", batch=2, max_new_tokens=12,
                           refill=1, progress=False)
     assert n + len(kept) == len(dd.work_items(PROMPTS, 3, 0.7))  # the rest, once each
-
-
-class Payload:
-    """What a hostile pickle can hold: unpickling it creates the file `marker` (it could as well run anything)."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def unpickled_plainly(data: bytes, marker: Path) -> bool:

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import draft_head
 import pytest
 import torch
 
-from conftest import peaked_model
+from helpers import peaked_model
 from minispec import Transformer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import draft_head  # noqa: E402
 
 
 @pytest.fixture
@@ -42,7 +38,8 @@ def test_counts_rank_the_tokens(saved, tmp_path):
     _, tmp = saved
     counts = [30] * 5 + [31] * 3 + [2]
     (tmp / "counts.json").write_text(json.dumps(counts))
-    assert draft_head.main([str(tmp / "full"), str(tmp / "sub"), "--tokens", "3", "--counts", str(tmp / "counts.json")]) == 0
+    args = [str(tmp / "full"), str(tmp / "sub"), "--tokens", "3", "--counts", str(tmp / "counts.json")]
+    assert draft_head.main(args) == 0
     assert Transformer.from_pretrained(tmp / "sub").head_ids.tolist() == [30, 31, 40]
 
 

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMOL_DRAFT, peaked_model, require_smollm2, truncated, write_word_tokenizer
-from minispec import SamplingParams, Transformer
-from minispec import AdaptiveK, cli
+from helpers import SMOL_DRAFT, peaked_model, require_smollm2, tiny_pair, write_word_tokenizer
+from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
+from minispec import AdaptiveK, SamplingParams, Transformer
+from minispec.controls import CONTROLS
 from minispec.equivalence import (DEFAULTS, EARLY_ALPHA, ORDERS, EquivalenceInputError, analyse, holm, pit,
                                   plot_report, run_equivalence, target_pit, uniformity, uniformity_batch)
 from minispec.equivalence.power import head_rows
 from minispec.sampling import logits_to_probs
 
-BROKEN = ("no-residual", "always-accept", "unprocessed-q", "greedy-draft")
+BROKEN = CONTROLS
 PROMPT = [1, 5, 2, 7, 3]
 
 
@@ -133,13 +134,6 @@ def test_uniformity_bins_keep_five_expected_per_bin():
 # ---------------------------------------------------------------------------
 # a tiny random pair
 # ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pair():
-    torch.set_num_threads(1)
-    target = peaked_model(0, 32, n_layers=3)
-    return target, truncated(target, 1)  # acceptance ~0.2 at temperature 0.7: many rejections, some acceptances
-
 
 @pytest.fixture(scope="module")
 def exact_report(pair):
@@ -335,24 +329,16 @@ def _save_with_tokenizer(model: Transformer, path: Path, words: list[str]) -> Pa
 
 @pytest.fixture(scope="module")
 def cli_dirs(pair, tmp_path_factory):
-    target, draft = pair
     base = tmp_path_factory.mktemp("eq")
     words = ["<unk>"] + [f"w{i}" for i in range(1, 32)]
     other = ["<unk>"] + [f"v{i}" for i in range(1, 32)]  # same size, another vocabulary
-    dirs = {"target": _save_with_tokenizer(peaked_model(0, 32, n_layers=3), base / "target", words),
-            "draft": _save_with_tokenizer(truncated(peaked_model(0, 32, n_layers=3), 1), base / "draft", words),
-            "other": _save_with_tokenizer(truncated(peaked_model(0, 32, n_layers=3), 1), base / "other", other)}
+    target, draft = tiny_pair()  # the pair's twins: saving attaches a tokenizer
+    dirs = {"target": _save_with_tokenizer(target, base / "target", words),
+            "draft": _save_with_tokenizer(draft, base / "draft", words),
+            "other": _save_with_tokenizer(tiny_pair()[1], base / "other", other)}
     (base / "prompts.txt").write_text("w1 w5 w2 w7 w3\n\nw4 w4 w9\n")
     dirs["prompts"] = base / "prompts.txt"
     return dirs
-
-
-def main(argv: list[str]) -> int:
-    """python -m minispec equivalence ARGV -> its exit status (argparse's own errors included)."""
-    try:
-        return cli.main(["equivalence", *argv])
-    except SystemExit as e:
-        return e.code
 
 
 def test_cli_json_and_exit_status(cli_dirs, capsys):
@@ -379,8 +365,9 @@ def test_cli_k_auto(cli_dirs, capsys):
 def test_cli_dtypes(cli_dirs, capsys):
     """A bf16 target (sampled and scored in bf16) with an fp16 draft passes; the report names the dtypes."""
     d = cli_dirs
-    rc = main(["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompt", "w1 w5 w2 w7 w3", "--samples", "100",
-               "--tokens", "3", "--no-reference", "--json", "--dtype", "bfloat16", "--draft-dtype", "float16"])
+    rc = main(["--target", str(d["target"]), "--draft", str(d["draft"]), "--prompt", "w1 w5 w2 w7 w3",
+               "--samples", "100", "--tokens", "3", "--no-reference", "--json", "--dtype", "bfloat16",
+               "--draft-dtype", "float16"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["passed"] and out["settings"]["target"].endswith("(bfloat16)")
     assert out["settings"]["draft"].endswith("(float16)")
@@ -438,12 +425,12 @@ def stand_in_draft(target: Transformer) -> Transformer:
 
 @pytest.fixture(scope="module")
 def smol_pairs(smol):
-    lookup_prompt = smol.tokenizer.encode("one two three four five one two three four five one two three four five one two")
+    lookup_prompt = smol.tokenizer.encode(" ".join(["one two three four five"] * 3 + ["one two"]))
     return {"stand-in": (stand_in_draft(smol), smol.tokenizer.encode("Once upon a time")),
             "prompt-lookup": ("prompt-lookup", lookup_prompt)}  # the context repeats: lookup drafts every round
 
 
-# 200 samples x 4 tokens keeps each run to 10-45 s on one core; every broken sampler still fails here by a
+# 200 samples x 4 tokens keeps each run short on the real model; every broken sampler still fails here by a
 # wide margin (p_holm: no-residual 2e-15, always-accept 2e-65, unprocessed-q 4e-27; exact 0.57 and 0.36,
 # calibration 0.79). At this size no-residual is invisible with the stand-in (p_holm 0.018), whose peaked
 # first positions leave the residual close to p, hence prompt lookup for it; at the default size (2000 x 8)

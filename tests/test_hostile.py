@@ -28,21 +28,18 @@ from safetensors.torch import load_file, save_file
 import minispec.tokenizer as tokenizer_module
 from minispec import CacheExhausted, CheckpointError, ModelConfig, PagedKVCache, Transformer
 from minispec.checkpoint import atomic_output_dir, recover_output_dir
-from minispec.cli import main as cli_main
 from minispec.config import ConfigError
 from minispec.errors import InputError
 from minispec.sampling import SamplingError, SamplingParams, logits_to_probs, sample_rows
 from minispec.tokenizer import TokenizerError, load_tokenizer
 
-from conftest import TOOLS, load_gguf_converter
-from tiny_files import TINY, WORDS, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
+import convert_gguf as conv
+import convert_hf
+import export_hf
+from helpers import LLAMA3, ROOT, TOOLS, Payload, leftovers, run_main
+from tiny_files import TINY, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 gguf = pytest.importorskip("gguf")
-conv = load_gguf_converter()
-import convert_hf  # noqa: E402  (tools/ is on sys.path after load_gguf_converter)
-import export_hf  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TOOLS), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -50,10 +47,6 @@ def edit_json(path: Path, **changes) -> None:
     d = json.loads(path.read_text())
     d.update(changes)
     path.write_text(json.dumps(d))
-
-
-def nothing_left(parent: Path, name: str) -> bool:
-    return not [p for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.")]
 
 
 @pytest.fixture
@@ -66,8 +59,6 @@ def ckpt(tmp_path) -> Path:
 # config values: finite, in range, of the right type
 
 BASE = dict(vocab_size=16, dim=32, n_layers=1, n_heads=4)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
 BAD_CONFIGS = {
     "n_heads 0": (dict(n_heads=0), "n_heads must be a positive integer"),
     "dim as a string": (dict(dim="32"), "dim must be a positive integer"),
@@ -288,9 +279,11 @@ def test_greedy_generation_refuses_nan_logits():
 
 @pytest.mark.parametrize("seed", [2**64, 2**63, -1, 1.5, "abc", True])
 def test_seeds_are_checked(seed):
-    with pytest.raises(SamplingError, match="seed must be an integer in"):
-        SamplingParams(temperature=1.0, seed=seed)
-    SamplingParams(temperature=1.0, seed=2**63 - 1)
+    model = Transformer(ModelConfig(**TINY))
+    for run in (model.generate, lambda *a, **kw: model.speculate("prompt-lookup", *a, **kw).tokens):
+        with pytest.raises(SamplingError, match="seed must be an integer in"):  # before any work, even none to do
+            run([1, 2], max_new_tokens=0, temperature=1.0, seed=seed)
+        assert len(run([1, 2], max_new_tokens=1, temperature=1.0, seed=2**63 - 1, stop_tokens=[])) == 1
 
 
 @pytest.mark.parametrize("stop", [[1.5], ["2"], [16], [-1], [True], "2"])
@@ -426,7 +419,7 @@ def test_gguf_tensor_offsets_must_be_ordered_aligned_and_inside(tmp_path, spoil,
     _set_offset(src, 1, spoil)
     with pytest.raises(conv.ConversionError, match=msg):
         conv.convert(src, tmp_path / "out", progress=False)
-    assert nothing_left(tmp_path, "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 @pytest.mark.parametrize("meta, msg", [
@@ -443,7 +436,7 @@ def test_gguf_metadata_is_checked_before_building(tmp_path, meta, msg):
     start = time.perf_counter()
     with pytest.raises(conv.ConversionError, match=msg):
         conv.convert(src, tmp_path / "out", progress=False)
-    assert time.perf_counter() - start < 10 and nothing_left(tmp_path, "out")
+    assert time.perf_counter() - start < 10 and leftovers(tmp_path, "out") == []
 
 
 def test_gguf_huge_context_converts_without_allocating(tmp_path):
@@ -463,7 +456,7 @@ def test_gguf_token_ids_and_vocabulary_are_checked(tmp_path):
              "tokenizer.ggml.token_type": llama_vocab()["tokenizer.ggml.token_type"] + [1]}
     with pytest.raises(conv.ConversionError, match="lists 17 tokens, the embedding has only 16 rows"):
         conv.convert(tiny_gguf(tmp_path / "b.gguf", vocab), tmp_path / "out", progress=False)
-    assert nothing_left(tmp_path, "out")
+    assert leftovers(tmp_path, "out") == []
 
 
 def test_gguf_whose_output_would_not_load_fails_and_writes_nothing(tmp_path):
@@ -474,7 +467,7 @@ def test_gguf_whose_output_would_not_load_fails_and_writes_nothing(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("error: the checkpoint converted from") and "unk is not defined" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-    assert nothing_left(tmp_path, "out")
+    assert leftovers(tmp_path, "out") == []
     conv.convert(tiny_gguf(tmp_path / "ok.gguf", llama_vocab()), tmp_path / "out", progress=False)  # control
 
 
@@ -499,7 +492,7 @@ def test_hf_shard_names_must_stay_inside_the_source(hf_dir, shard):
     _shard(hf_dir, shard)
     with pytest.raises(convert_hf.ConversionError, match="which is not a file inside"):
         convert_hf.convert(hf_dir, hf_dir.parent / "out", progress=False)
-    assert nothing_left(hf_dir.parent, "out")
+    assert leftovers(hf_dir.parent, "out") == []
 
 
 def test_hf_shard_inside_the_source_converts(hf_dir):
@@ -519,8 +512,8 @@ def test_hf_shard_inside_the_source_converts(hf_dir):
     ("config.json", dict(num_hidden_layers=10**9), "n_layers=1000000000"),
     ("config.json", dict(num_attention_heads=0), "n_heads must be a positive integer"),
     ("config.json", dict(rope_scaling="llama3"), "rope_scaling must be an object"),
-    ("config.json", dict(rope_scaling={"rope_type": "llama3", "factor": 0, "low_freq_factor": 1,
-                                       "high_freq_factor": 4, "original_max_position_embeddings": 16}), "factor must be"),
+    ("config.json", dict(rope_scaling={**LLAMA3, "factor": 0, "low_freq_factor": 1, "high_freq_factor": 4}),
+     "factor must be"),
     ("config.json", dict(sliding_window="4k"), "sliding_window must be an integer"),
 ])
 def test_hf_config_values_are_checked(hf_dir, file, changes, msg):
@@ -528,7 +521,7 @@ def test_hf_config_values_are_checked(hf_dir, file, changes, msg):
     start = time.perf_counter()
     with pytest.raises(InputError, match=msg):
         convert_hf.convert(hf_dir, hf_dir.parent / "out", progress=False)
-    assert time.perf_counter() - start < 10 and nothing_left(hf_dir.parent, "out")
+    assert time.perf_counter() - start < 10 and leftovers(hf_dir.parent, "out") == []
 
 
 @pytest.mark.parametrize("dtype, msg", [(torch.int32, "dtype torch.int32; model weights are floating point"),
@@ -542,20 +535,10 @@ def test_hf_tensor_dtypes_are_checked(hf_dir, dtype, msg):
         convert_hf.convert(hf_dir, hf_dir.parent / "out", progress=False)
 
 
-class _Payload:
-    """Unpickling this runs code: it creates the file `marker`."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
 def test_malicious_pickle_is_refused_without_running_it(hf_dir):
     marker = hf_dir.parent / "pwned"
     state = {k: v for k, v in load_file(hf_dir / "model.safetensors").items()}
-    state["model.norm.weight"] = _Payload(str(marker))
+    state["model.norm.weight"] = Payload(marker)
     with open(hf_dir / "pytorch_model.bin", "wb") as f:
         pickle.dump(state, f)  # a legacy (non-zip) pickle; torch.save writes the zip format: both are refused
     (hf_dir / "model.safetensors").unlink()
@@ -567,7 +550,7 @@ def test_malicious_pickle_is_refused_without_running_it(hf_dir):
         assert r.returncode == 1 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
         assert "weights_only=True" in r.stderr
         assert "set to False" not in r.stderr and "weights_only=False" not in r.stderr  # never advise it
-        assert not marker.exists() and nothing_left(hf_dir.parent, "out")
+        assert not marker.exists() and leftovers(hf_dir.parent, "out") == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +583,8 @@ def _old_dir(tmp_path: Path) -> Path:
 
 
 def _leftovers(tmp_path: Path) -> list[str]:
-    return sorted(p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith(".dst."))
+    """The kinds of temporary (.dst.tmp, .dst.old) that writes of tmp_path/dst left beside it."""
+    return sorted(name.split("-")[0] for name in leftovers(tmp_path, "dst") if name != "dst")
 
 
 def test_killed_write_leaves_a_temporary_that_the_next_write_removes(tmp_path):
@@ -648,10 +632,9 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path):
                                          ("meta", "cannot run a model")])
 def test_cli_refuses_devices_it_cannot_use(tmp_path, capsys, device, msg):
     tiny_checkpoint(tmp_path / "m")
-    with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "--target", str(tmp_path / "m"), "--prompt", "a", "--device", device])
+    rc = run_main(["generate", "--target", str(tmp_path / "m"), "--prompt", "a", "--device", device])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err.splitlines()[-1] and "Traceback" not in err
+    assert rc == 2 and msg in err.splitlines()[-1] and "Traceback" not in err
 
 
 @pytest.mark.parametrize("spoil, msg", [
@@ -663,10 +646,10 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, spoil, msg):
     d = tmp_path / "m"
     tiny_checkpoint(d, eos_id=2)
     tiny_tokenizer_dir(d)
-    assert cli_main(["generate", "--target", str(d), "--prompt", "a b", "--chat", "--max-new-tokens", "2"]) == 0
+    assert run_main(["generate", "--target", str(d), "--prompt", "a b", "--chat", "--max-new-tokens", "2"]) == 0
     capsys.readouterr()
     spoil(d)
-    assert cli_main(["generate", "--target", str(d), "--prompt", "a b", "--chat", "--max-new-tokens", "2"]) == 1
+    assert run_main(["generate", "--target", str(d), "--prompt", "a b", "--chat", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and msg in err and len(err.strip().splitlines()) == 1
 

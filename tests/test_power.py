@@ -13,20 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import peaked_model, truncated
 from minispec.equivalence import KINDS, analyse, detectable_bias, run_equivalence, target_pit, uniformity
 from minispec.equivalence.power import HEAD, Simulation, distorted, family_rejects, head_rows, smallest_eps
 from minispec.sampling import SamplingParams, logits_to_probs
 
 PROMPT = [1, 5, 2, 7, 3]
 N, T, ALPHA = 200, 3, 0.01
-
-
-@pytest.fixture(scope="module")
-def pair():
-    torch.set_num_threads(1)
-    target = peaked_model(0, 32, 32, 3, 2.0)
-    return target, truncated(target, 1)
+PARAMS = SamplingParams(0.7, 50)  # the harness's defaults
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +113,7 @@ def test_the_stated_bias_is_rejected_in_85_of_100_fresh_simulated_runs(exact_run
         assert hits >= 85, f"{kind} at the stated eps {v['eps']:.3g}: rejected in only {hits} of 100 fresh runs"
 
 
-def _biased_samples(target, kind: str, eps: float, n: int, seed: int, params=SamplingParams(0.7, 50)):
+def _biased_samples(target, kind: str, eps: float, n: int, seed: int, params: SamplingParams = PARAMS):
     """n samples of T tokens whose every token is drawn from (1 - eps) p + eps r(p): the bias, injected."""
     g = torch.Generator().manual_seed(seed)
     x = torch.tensor([PROMPT] * n)
@@ -139,7 +132,7 @@ def test_the_stated_bias_injected_into_real_sampling_is_rejected_in_85_of_100_ru
     target, _ = pair
     kind = max(exact_run.power.kinds, key=lambda k: exact_run.power.kinds[k]["tv"])
     eps = exact_run.power.kinds[kind]["eps"]
-    alpha, params = exact_run.speculative.alpha, SamplingParams(0.7, 50)
+    alpha, params = exact_run.speculative.alpha, PARAMS
     hits = 0
     for run in range(100):
         samples = _biased_samples(target, kind, eps, N, seed=1000 + run)

@@ -31,7 +31,8 @@ N_REAL_TOKENS = 151_665  # Qwen2's tokens; the embedding has 151,936 rows
 
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "// reverse a singly linked list in C\nstruct node {\n\tint value;\n\tstruct node *next;\n};\n\nstruct node *reverse(",
+    "// reverse a singly linked list in C\nstruct node {\n\tint value;\n\tstruct node *next;\n};\n\n"
+    "struct node *reverse(",
     "# 计算列表的平均值\ndef mean(xs: list[float]) -> float:\n",
     "The capital of France is",
 ]
@@ -47,14 +48,15 @@ def chat_prompt(tok, content: str = CHAT) -> list[int]:
 
 IDENTS = ["x", "total", "user_id", "parseHeader", "MAX_LEN", "self", "data", "i", "node", "buf", "résumé", "数据", "值",
           "__init__", "_private", "camelCase", "snake_case", "HTTPServer", "tmp2", "ñ"]
-COMMENTS = ["TODO: handle the empty case", "计算总和", "ここで初期化する", "빠른 경로", "fix #1234 🐛", "✅ done", "see RFC 9110",
-            "O(n log n)", "€ 12,50", "— not thread-safe —", "🚀 fast path", "x² + y² = r²", "naïve but correct"]
-STRINGS = ["hello, world", "日本語テキスト", "emoji: 😀👍🏽👨‍👩‍👧", "tab\\tseparated", "C:\\\\path\\\\to", "%d items", "{name}!",
-           "<|im_start|>", "100%", "line\\n", "中文", "ÅÄÖ", "🇫🇷🇯🇵"]
+COMMENTS = ["TODO: handle the empty case", "计算总和", "ここで初期化する", "빠른 경로", "fix #1234 🐛", "✅ done",
+            "see RFC 9110", "O(n log n)", "€ 12,50", "— not thread-safe —", "🚀 fast path", "x² + y² = r²",
+            "naïve but correct"]
+STRINGS = ["hello, world", "日本語テキスト", "emoji: 😀👍🏽👨‍👩‍👧", "tab\\tseparated", "C:\\\\path\\\\to", "%d items",
+           "{name}!", "<|im_start|>", "100%", "line\\n", "中文", "ÅÄÖ", "🇫🇷🇯🇵"]
 MARKUP = ["<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>",
           "<|im_start|>user\n{code}<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>",
-          "<|fim_prefix|>{code}<|fim_suffix|>\n<|fim_middle|>", "<|im_end|>", "<tool_call>\n{\"name\": \"run\"}\n</tool_call>",
-          "<|file_sep|>src/main.rs", "<|repo_name|>minispec"]
+          "<|fim_prefix|>{code}<|fim_suffix|>\n<|fim_middle|>", "<|im_end|>",
+          "<tool_call>\n{\"name\": \"run\"}\n</tool_call>", "<|file_sep|>src/main.rs", "<|repo_name|>minispec"]
 
 
 def _number(rng: random.Random) -> str:
@@ -181,7 +183,7 @@ def test_logits_match_transformers(qwen, hf_reference):
 
 @pytest.mark.slow
 def test_greedy_tokens_match_transformers(qwen, qwen_greedy, hf_reference):
-    for prompt, (ids, ref) in hf_reference["greedy"].items():
+    for prompt, (_, ref) in hf_reference["greedy"].items():
         ours = qwen_greedy[prompt]
         assert len(ours) == len(ref) == 64
         assert ours == ref, f"{prompt!r}:\n ours {qwen.tokenizer.decode(ours)!r}\n   hf {qwen.tokenizer.decode(ref)!r}"

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import peaked_model, require_smollm2, truncated
+from helpers import peaked_model, require_smollm2, truncated
 from minispec import Transformer
 from minispec.speculative import PromptLookupDrafter
 

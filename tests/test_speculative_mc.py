@@ -15,19 +15,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import peaked_model
-from conftest import truncated as shared_truncated
+from helpers import peaked_model
+from helpers import truncated as shared_truncated
 from minispec import SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
 V = 8  # vocabulary: V**3 = 512 possible continuations of 3 tokens
-N = 3000  # samples per run: enough power for the negative controls, a second or two per run
+N = 3000  # samples per run: enough power for the negative controls
 PROMPT = [1, 5, 2, 7, 3]
 
 
 def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) -> Transformer:
-    """conftest's truncated draft (the target's first n_layers), its head logits scaled by logit_scale."""
+    """helpers.truncated's draft (the target's first n_layers), its head logits scaled by logit_scale."""
     m = shared_truncated(target, n_layers)
     with torch.no_grad():
         m.lm_head.weight.mul_(logit_scale)

@@ -15,24 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_gguf_converter
+import convert_gguf as conv
 from minispec.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 FRAGMENTS = [
-    "Hello world", "The quick brown fox jumps over the lazy dog.", "HELLO World", "hElLo WoRlD", "I'm", "don't", "WE'LL",
-    "they've", "it's", "naïve café", "Ünïcödé", "résumé", "Straße", "Ελληνικά", "Русский текст", "中文字符", "日本語のテキスト",
-    "한국어", "مرحبا بالعالم", "שלום", "हिन्दी", "🙂", "👍🏽", "👨‍👩‍👧‍👦", "🇫🇷", "🚀✨", "∑∫√∞", "→⇒", "12345", "3.14159",
-    "1,000,000", "+1 (555) 010-9999", "٣٤٥", "½ ¾", "x² + y³", "Ⅻ", "0x1F", "2024-06-01", "  ", "   ", "\t", "\t\t",
-    "\n", "\n\n", "\r\n", " \n ", "def f(x):\n    return x * 2", "for (int i = 0; i < n; ++i) { sum += a[i]; }",
-    '{"key": [1, 2, 3], "nested": {"a": null}}', "SELECT * FROM users WHERE id = 42;", "<div class=\"x\">hi</div>",
-    "$ ls -la /tmp && echo $HOME", "a=b&c=d", "https://example.com/path?q=1#frag", "user@example.org", "¿Qué?", "¡Hola!",
-    "...", "—", "–", "“quoted”", "‘single’", "«guillemets»", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>",
-    "ALLCAPS", "snake_case_name", "camelCaseName", "__init__", "#include <stdio.h>", "// comment", "/* block */",
-    "0", "00", "007", "9999999999", "e=mc^2", "αβγ", "ﬁ ligature", "Ａｌｐｈａ", "ｶﾀｶﾅ", "\u00a0nbsp", "zero\u200bwidth",
+    "Hello world", "The quick brown fox jumps over the lazy dog.", "HELLO World", "hElLo WoRlD", "I'm", "don't",
+    "WE'LL", "they've", "it's", "naïve café", "Ünïcödé", "résumé", "Straße", "Ελληνικά", "Русский текст", "中文字符",
+    "日本語のテキスト", "한국어", "مرحبا بالعالم", "שלום", "हिन्दी", "🙂", "👍🏽", "👨‍👩‍👧‍👦", "🇫🇷", "🚀✨", "∑∫√∞",
+    "→⇒", "12345", "3.14159", "1,000,000", "+1 (555) 010-9999", "٣٤٥", "½ ¾", "x² + y³", "Ⅻ", "0x1F", "2024-06-01",
+    "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "def f(x):\n    return x * 2",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }", '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "SELECT * FROM users WHERE id = 42;", "<div class=\"x\">hi</div>", "$ ls -la /tmp && echo $HOME", "a=b&c=d",
+    "https://example.com/path?q=1#frag", "user@example.org", "¿Qué?", "¡Hola!", "...", "—", "–", "“quoted”",
+    "‘single’", "«guillemets»", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "ALLCAPS",
+    "snake_case_name", "camelCaseName", "__init__", "#include <stdio.h>", "// comment", "/* block */", "0", "00",
+    "007", "9999999999", "e=mc^2", "αβγ", "ﬁ ligature", "Ａｌｐｈａ", "ｶﾀｶﾅ", "\u00a0nbsp", "zero\u200bwidth",
 ]
 ALPHABETS = ["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789", " \t\n",
-             ".,;:!?-_()[]{}'\"/\\@#$%^&*+=<>|~`", "éèêëàâäôöùûüçñß", "的一是不了人我在有他这中大来上", "あいうえおかきくけこ",
-             "😀😂🥲🤖🎉🔥💡", "абвгдежзийклмн"]
+             ".,;:!?-_()[]{}'\"/\\@#$%^&*+=<>|~`", "éèêëàâäôöùûüçñß", "的一是不了人我在有他这中大来上",
+             "あいうえおかきくけこ", "😀😂🥲🤖🎉🔥💡", "абвгдежзийклмн"]
 WORDS = ["the", "The", "THE", "model", "token", "speculative", "decoding"]
 
 
@@ -48,8 +49,9 @@ def varied_lines(n: int = 600, seed: int = 0) -> list[str]:
         elif kind == 1:
             line = "".join(rng.choice(rng.choice(ALPHABETS)) for _ in range(rng.randint(1, 40)))
         elif kind == 2:  # code points across the BMP and the emoji planes, never surrogates
-            line = "".join(chr(rng.choice([rng.randint(0x20, 0x7E), rng.randint(0xA0, 0x2FFF), rng.randint(0x3000, 0x9FFF),
-                                           rng.randint(0xAC00, 0xD7A3), rng.randint(0x1F300, 0x1FAFF)]))
+            line = "".join(chr(rng.choice([rng.randint(0x20, 0x7E), rng.randint(0xA0, 0x2FFF),
+                                           rng.randint(0x3000, 0x9FFF), rng.randint(0xAC00, 0xD7A3),
+                                           rng.randint(0x1F300, 0x1FAFF)]))
                            for _ in range(rng.randint(1, 12)))
         else:
             words = [rng.choice(WORDS + [str(rng.randint(0, 10**6)), f"{rng.random():.4f}", "x" * rng.randint(1, 20),
@@ -82,7 +84,6 @@ def write_dir(tmp_path_factory, basename: str, files: dict[str, bytes]) -> Path:
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory, smol_gguf) -> Path:
     """Only the tokenizer files of the converted checkpoint (no weights needed here)."""
-    conv = load_gguf_converter()
     return write_dir(tmp_path_factory, "smol_tok", conv.tokenizer_files(conv.read_metadata(conv.open_gguf(smol_gguf))))
 
 

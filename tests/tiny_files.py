@@ -81,6 +81,21 @@ def llama_vocab(with_unknown: bool = True) -> dict:
             "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
 
 
+def add_metadata(w, meta: dict) -> None:
+    """Add each key of `meta` to GGUFWriter `w` as the GGUF type its Python value implies (int: uint32)."""
+    for key, value in meta.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+
+
 def tiny_gguf(path: Path, vocab: dict | None = None, seed: int = 0, **meta) -> Path:
     """A llama GGUF of the tiny model at `path`: F32 tensors, `vocab` metadata (gpt2_vocab() by default).
 
@@ -93,7 +108,6 @@ def tiny_gguf(path: Path, vocab: dict | None = None, seed: int = 0, **meta) -> P
             "feed_forward_length": TINY["ffn_dim"], "attention.head_count": TINY["n_heads"],
             "attention.head_count_kv": TINY["n_kv_heads"], "rope.freq_base": 10000.0,
             "attention.layer_norm_rms_epsilon": 1e-5, **meta}
-    from test_gguf import add_metadata
 
     meta = {**{f"llama.{k}": v for k, v in keys.items()}, **(gpt2_vocab() if vocab is None else vocab)}
     wide = {k: v for k, v in meta.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 2**32}

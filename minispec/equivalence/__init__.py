@@ -42,9 +42,10 @@ for token, and that is what the harness checks there. Stop tokens are disabled
 during the test (stop_tokens=[]), so every sample has exactly T tokens.
 """
 
+from ..drafters import PROMPT_LOOKUP  # noqa: F401
 from .engines import ENGINES, exported  # noqa: F401
-from .harness import (DEFAULTS, EARLY_ALPHA, MIN_SAMPLES, PROMPT_LOOKUP, EquivalenceReport,  # noqa: F401
-                      audit_samples, run_equivalence, target_pit)
+from .harness import (DEFAULTS, EARLY_ALPHA, MIN_SAMPLES, EquivalenceReport, audit_samples, run_equivalence,  # noqa: F401
+                      target_pit)
 from .plot import plot_report  # noqa: F401
 from .power import KINDS, Power, detectable_bias  # noqa: F401
 from .samples import EquivalenceInputError, SampleSet, SamplesFileError, read_samples  # noqa: F401

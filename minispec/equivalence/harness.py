@@ -20,8 +20,9 @@ import torch
 
 from .. import __version__
 from ..adaptive import AdaptiveK
-from ..drafters import PROMPT_LOOKUP
-from ..errors import check_compatible, normalize_prompts
+from ..controls import Control
+from ..drafters import make_drafter
+from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import get_sampler
 from .engines import ENGINES, TransformersEngine
@@ -30,10 +31,11 @@ from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, rea
 from .stats import ORDERS, RunStats, analyse, pit
 
 MIN_SAMPLES = 10
-# The defaults (Hugging Face's top_k=50, a common temperature) give each deliberately broken
-# sampler a real effect: temperature != 1 and top-k make the processed q differ from the raw
-# softmax ("unprocessed-q"; top-k more than doubles its effect on SmolLM2), and any draft that is
-# not the target is rejected often enough for "no-residual" and "always-accept" to show.
+# The defaults (Hugging Face's top_k=50, a common temperature) give each negative control of
+# minispec.controls a real effect: temperature != 1 and top-k make the processed q differ from the
+# raw softmax (what a control of the draft's draw needs; top-k more than doubles that effect on
+# SmolLM2), and any draft that is not the target is rejected often enough for a control of the
+# acceptance step to show.
 DEFAULTS = dict(samples=2000, tokens=8, k=4, temperature=0.7, top_k=50, top_p=None, seed=0, sampler="exact",
                 alpha=0.01, bins=20, batch_size=256, power_runs=RUNS)
 # Sequential early stop of a clear failure: after each batch of samples but the last (an interim look), the
@@ -344,18 +346,12 @@ class EquivalenceReport:
 # input checks
 # ---------------------------------------------------------------------------
 
-def _check_int(name: str, v, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise EquivalenceInputError(f"{name} must be an integer >= {lo}, got {v!r}")
-
-
 def _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs) -> tuple:
     """The settings of the test itself (not of the sampling); returns the orders as a tuple."""
-    _check_int("seed", seed, 0)
-    _check_int("bins", bins, 2)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("power_runs", power_runs, 0)
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
+    for name, v, lo in (("seed", seed, 0), ("bins", bins, 2), ("batch_size", batch_size, 1),
+                        ("power_runs", power_runs, 0)):
+        check_int(name, v, lo, error=EquivalenceInputError)
+    if not (is_number(alpha) and 0 < alpha < 1):
         raise EquivalenceInputError(f"alpha must be in (0, 1), got {alpha!r}")
     orders = tuple(orders)
     if not orders or any(o not in ORDERS for o in orders) or len(set(orders)) != len(orders):
@@ -373,23 +369,17 @@ def _check_draft(target, draft, engine: str, hf_dirs: dict | None) -> None:
                              f"{' and '.join(repr(n) for n in need)} (Hugging Face directories; engines.exported "
                              "makes them from minispec checkpoints)")
         return
-    if isinstance(draft, str):
-        if draft != PROMPT_LOOKUP:
-            raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {draft!r}")
-    else:
-        if not (hasattr(draft, "step") and hasattr(draft, "config")):
-            raise ValueError(f"draft must be a Transformer or {PROMPT_LOOKUP!r}, got {type(draft).__name__}")
-        check_compatible(target, draft)  # vocab size and tokenizer fingerprint
+    make_drafter(target, draft)  # speculate's check of the draft: its kind, its vocabulary and tokenizer
 
 
 def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler, engine, hf_dirs):
     """Validate the sampling side before any sampling; returns (SamplingParams, prompt batch)."""
     try:
         get_sampler(sampler)
-        _check_int("samples", samples, MIN_SAMPLES)
-        _check_int("tokens", tokens, 1)
+        check_int("samples", samples, MIN_SAMPLES)
+        check_int("tokens", tokens, 1)
         if k != "auto" and not isinstance(k, AdaptiveK):
-            _check_int("k", k, 1)
+            check_int("k", k, 1)
         params = SamplingParams(temperature, top_k, top_p)
         _check_draft(target, draft, engine, hf_dirs)
         batch, _ = normalize_prompts(target, prompts)
@@ -397,7 +387,7 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
             if len(p) + tokens > target.config.max_seq_len:
                 raise ValueError(f"prompt {j} ({len(p)} tokens) + {tokens} new tokens exceeds the target's "
                                  f"max_seq_len={target.config.max_seq_len}; use a shorter prompt or fewer tokens")
-    except ValueError as e:  # SamplingParams, normalize_prompts, check_compatible: already say what to do
+    except ValueError as e:  # the checks above already say what to do
         raise EquivalenceInputError(str(e)) from None
     return params, batch
 
@@ -407,13 +397,14 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
 # ---------------------------------------------------------------------------
 
 def max_threads() -> int:
-    """The CPU threads a step may use: the thread tuner's largest count (it picks per step), else torch's."""
-    from minispec.threads import TUNER
-    return TUNER.candidates[0] if TUNER is not None else torch.get_num_threads()
+    """The CPU threads a step may use: MINISPEC_THREADS when set, else the caller's count (the tuner picks
+    per step within it)."""
+    from minispec.threads import ceiling
+    return ceiling()
 
 
 def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], tokens: int = DEFAULTS["tokens"],
-                    k: "int | str | AdaptiveK" = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
+                    k: int | str | AdaptiveK = DEFAULTS["k"], temperature: float = DEFAULTS["temperature"],
                     top_k: int | None = DEFAULTS["top_k"], top_p: float | None = DEFAULTS["top_p"], seed: int = 0,
                     sampler: str = "exact", alpha: float = DEFAULTS["alpha"], bins: int = DEFAULTS["bins"],
                     orders=ORDERS, reference: bool = True, batch_size: int = DEFAULTS["batch_size"],
@@ -421,8 +412,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                     hf_dirs: dict | None = None, power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
     """Test that an engine's speculative (or plain) samples follow the target's distribution.
 
-    target: a Transformer (it scores every sample); draft: a Transformer sharing its tokenizer and vocabulary,
-    or "prompt-lookup" (engine "minispec"; unused by the transformers engines).
+    target: a Transformer (it scores every sample); draft: what speculate drafts with (a Transformer sharing its
+    tokenizer and vocabulary, "prompt-lookup" or a Drafter; engine "minispec"; unused by the transformers engines).
     prompts: token ids, one prompt (list[int]) or several (list[list[int]]); `samples` continuations
     of `tokens` tokens are drawn per prompt, sample g (prompt-major) with the generator seeded seed + g.
     temperature, top_k, top_p, k, sampler: the sampling settings (k an integer, "auto" or an AdaptiveK;
@@ -483,7 +474,7 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     return report
 
 
-def audit_samples(target, samples: "SampleSet | str | Path", seed: int = 0, alpha: float = DEFAULTS["alpha"],
+def audit_samples(target, samples: SampleSet | str | Path, seed: int = 0, alpha: float = DEFAULTS["alpha"],
                   bins: int = DEFAULTS["bins"], orders=ORDERS, reference: bool = True,
                   batch_size: int = DEFAULTS["batch_size"], progress: bool = False, names: dict | None = None,
                   power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
@@ -520,13 +511,8 @@ def audit_samples(target, samples: "SampleSet | str | Path", seed: int = 0, alph
 
 def _control_notes(sampler: str, draft, params: SamplingParams) -> list[str]:
     """Settings under which a negative control cannot show (the test then says nothing about it)."""
-    notes = []
-    if sampler == "unprocessed-q" and params.temperature == 1 and params.top_k is None and params.top_p is None:
-        notes.append("unprocessed-q has no effect here: at temperature 1 without top-k/top-p the processed q "
-                     "is the raw softmax")
-    if sampler in ("unprocessed-q", "greedy-draft") and isinstance(draft, str):
-        notes.append(f"{sampler} has no effect with prompt-lookup: its q is one-hot whatever the settings")
-    return notes
+    policy = get_sampler(sampler)
+    return policy.silent(draft, params) if isinstance(policy, Control) else []
 
 
 def _verdict(target, chunks, prompts, counts, params: SamplingParams, T: int, settings: dict, file_settings: dict,

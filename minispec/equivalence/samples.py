@@ -22,13 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InputError, is_int, is_number, one_line, show
 from ..sampling import SamplingParams
 
 SETTINGS_KEYS = ("temperature", "top_k", "top_p", "new_tokens", "engine", "engine_version")
 SAMPLE_KEYS = ("prompt", "tokens")
 
 
-class EquivalenceInputError(ValueError):
+class EquivalenceInputError(InputError):
     """Bad input to the harness (an argument, a samples file), found before any sampling; the command line exits
     with status 2 on it."""
 
@@ -92,10 +93,6 @@ def group(settings: dict, pairs, source: str = "(in memory)") -> SampleSet:
                      [t for v in by_prompt.values() for t in v], source)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_settings(s, where: str) -> dict:
     """The settings line's values, checked; raises SamplesFileError naming the field and the fix."""
     if not isinstance(s, dict):
@@ -106,14 +103,14 @@ def check_settings(s, where: str) -> dict:
         raise SamplesFileError(f"{where}: the settings line lacks {', '.join(missing)} (it needs "
                                f"{', '.join(SETTINGS_KEYS)}; null for a filter that is off)")
     t, k, p, n = s["temperature"], s["top_k"], s["top_p"], s["new_tokens"]
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+    if not is_number(t) or not math.isfinite(t) or t < 0:
         raise SamplesFileError(f"{where}: temperature must be a number >= 0 (0 = greedy), got {t!r}")
-    if k is not None and (not _is_int(k) or k < 1):
+    if k is not None and (not is_int(k) or k < 1):
         raise SamplesFileError(f"{where}: top_k must be an integer >= 1 or null (off), got {k!r}; an engine's "
                                "'off' value (vLLM's -1, llama.cpp's 0) is written null")
-    if p is not None and (not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1):
+    if p is not None and (not is_number(p) or not 0 < p <= 1):
         raise SamplesFileError(f"{where}: top_p must be in (0, 1] or null (off), got {p!r}")
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise SamplesFileError(f"{where}: new_tokens must be an integer >= 1, got {n!r}")
     if not isinstance(s["engine"], str) or not s["engine"]:
         raise SamplesFileError(f"{where}: engine must be a non-empty string (e.g. \"vllm\"), got {s['engine']!r}")
@@ -124,11 +121,11 @@ def check_settings(s, where: str) -> dict:
 
 
 def _ids(v, what: str, where: str, vocab_size: int) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
         raise SamplesFileError(f"{where}: {what} must be a list of integer token ids")
     bad = next((t for t in v if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise SamplesFileError(f"{where}: {what} holds token id {bad}, outside the target's vocabulary "
+        raise SamplesFileError(f"{where}: {what} holds token id {show(bad)}, outside the target's vocabulary "
                                f"[0, {vocab_size}); the samples must come from a model with the target's tokenizer")
     return v
 
@@ -179,6 +176,12 @@ def read_samples(path, vocab_size: int, max_seq_len: int, min_samples: int) -> S
             rows.append((no, json.loads(line)))
         except json.JSONDecodeError as e:
             raise SamplesFileError(f"{path} line {no} is not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:  # arrays or objects nested thousands deep: no sample is shaped like that
+            raise SamplesFileError(f"{path} line {no} nests its JSON too deeply to read; a sample is "
+                                   '{"prompt": [ids], "tokens": [ids]}') from None
+        except ValueError as e:  # Python's limit on integer digits (4300): no token id is that long
+            raise SamplesFileError(f"{path} line {no} holds a number too long to read ({one_line(e).split(':')[0]}); "
+                                   "token ids are small integers") from None
     settings = check_settings(rows[0][1], f"{path} line {rows[0][0]}")
     T = settings["new_tokens"]
     pairs = []
