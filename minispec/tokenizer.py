@@ -82,7 +82,8 @@ def _text(data: bytes, name: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TokenizerError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}); re-create or re-download it") from None
+        raise TokenizerError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "re-create or re-download it") from None
 
 
 def _json_object(data: bytes, name: str) -> dict:
@@ -125,8 +126,14 @@ class _JsonBackend:
         from tokenizers import Tokenizer as HFTokenizer
         text = _text(data, JSON_FILE)
         self.tok = _library_call("cannot be read by the tokenizers library", HFTokenizer.from_str, text)
+        # the file's own padding and truncation settings are for batching to a fixed shape; transformers turns
+        # them off on every call, so they are off here too (a Fixed padding of 10**9 would abort the process)
+        self.tok.no_padding()
+        self.tok.no_truncation()
         self.spec = json.loads(text)  # what the library just parsed
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.max_id = max(vocab.values()) if vocab else -1
         self.special_ids = frozenset(t["id"] for t in self.spec.get("added_tokens", []) if t.get("special"))
 
     def encode(self, text: str) -> list[int]:
@@ -185,13 +192,15 @@ class _SentencePieceBackend:
         except Exception as e:
             raise TokenizerError(f"{SPM_FILE} cannot be read by sentencepiece ({e}); the file may be corrupt") from None
         self.add_dummy_prefix = bool(norm.get(3, 1))
-        self.normalizer = {"name": norm.get(1, b"").decode("utf-8", "replace"), "add_dummy_prefix": self.add_dummy_prefix,
+        self.normalizer = {"name": norm.get(1, b"").decode("utf-8", "replace"),
+                           "add_dummy_prefix": self.add_dummy_prefix,
                            "remove_extra_whitespaces": bool(norm.get(4, 1)), "escape_whitespaces": bool(norm.get(5, 1))}
         self.sp_no_prefix = self.sp
         if self.add_dummy_prefix:
             patched = b"".join(p for p in self._without_dummy_prefix(fields))
             self.sp_no_prefix = spm.SentencePieceProcessor(model_proto=patched)
         self.vocab_size = self.sp.get_piece_size()
+        self.max_id = self.vocab_size - 1  # sentencepiece's ids are 0 .. piece count - 1
         self.special_ids = frozenset(i for i, t in enumerate(self.types) if t in (2, 3))
         # control and unknown pieces written in the text are matched whole, longest first
         names = sorted((self.sp.id_to_piece(i) for i in self.special_ids), key=len, reverse=True)
@@ -281,7 +290,8 @@ class Tokenizer:
         else:
             raise TokenizerError(f"no {JSON_FILE} or {SPM_FILE} among the tokenizer files {sorted(files)}")
         if self.backend.vocab_size < 1:
-            raise TokenizerError(f"{self.backend.kind} holds no tokens (an empty or damaged file); re-create or re-download it")
+            raise TokenizerError(f"{self.backend.kind} holds no tokens (an empty or damaged file); "
+                                 "re-create or re-download it")
         self.config = _json_object(files[CONFIG_FILE], CONFIG_FILE) if CONFIG_FILE in files else {}
         specials = {}
         if "special_tokens_map.json" in files:
@@ -356,6 +366,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.vocab_size
 
+    @property
+    def max_id(self) -> int:
+        """The largest token id; above vocab_size - 1 when a tokenizer.json's ids have gaps (an added token at 40)."""
+        return self.backend.max_id
+
     def encode(self, text: str, bos: bool | None = None, eos: bool = False) -> list[int]:
         """Text -> ids. bos=None follows `self.add_bos`; special tokens in the text are matched whole."""
         if not isinstance(text, str):
@@ -388,12 +403,14 @@ class Tokenizer:
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise TokenizerError(f"token id {show(i)} is not an integer")
-            if not 0 <= i < self.vocab_size:
-                raise TokenizerError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if not 0 <= i <= self.max_id:
+                raise TokenizerError(f"token id {i} is outside the vocabulary [0, {self.max_id + 1})")
+            if self.max_id >= self.vocab_size and self.backend.id_to_token(int(i)) is None:  # a gap in the ids
+                raise TokenizerError(f"token id {i} is not in the vocabulary (the tokenizer has no token {i})")
             out.append(int(i))
         return out
 
-    def decoder_stream(self, skip_special_tokens: bool = False) -> "DecoderStream":
+    def decoder_stream(self, skip_special_tokens: bool = False) -> DecoderStream:
         """An incremental decoder: push(ids) returns the new complete text; flush() the rest."""
         return DecoderStream(self, skip_special_tokens)
 
@@ -513,7 +530,8 @@ def _render_limited(template: str, variables: dict, max_chars: int) -> str:
         for piece in env.from_string(template).generate(**variables):
             n += len(piece)
             if n > max_chars:
-                raise TokenizerError(f"the chat template writes more than {max_chars} characters; it may loop without end")
+                raise TokenizerError(f"the chat template writes more than {max_chars} characters; "
+                                     "it may loop without end")
             parts.append(piece)
         return "".join(parts)
     except TokenizerError:
@@ -521,7 +539,8 @@ def _render_limited(template: str, variables: dict, max_chars: int) -> str:
     except TemplateError as e:
         raise TokenizerError(f"the chat template failed: {e}") from None
     except MemoryError:
-        raise TokenizerError("the chat template needs more memory than a prompt can; it may allocate without bound") from None
+        raise TokenizerError("the chat template needs more memory than a prompt can; "
+                             "it may allocate without bound") from None
     except RecursionError:
         raise TokenizerError("the chat template recurses without end") from None
     except Exception as e:  # an error in the template's own code (a TypeError, ...)
@@ -567,7 +586,8 @@ def _child_render(fd: int, template: str, variables: dict) -> None:
     try:
         _limit_memory(CHAT_TEMPLATE_MEMORY)
         try:
-            payload = b"O" + _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS).encode("utf-8", "surrogatepass")
+            text = _render_limited(template, variables, CHAT_TEMPLATE_MAX_CHARS)
+            payload = b"O" + text.encode("utf-8", "surrogatepass")
         except TokenizerError as e:
             payload = b"E" + str(e).encode("utf-8", "replace")
         with os.fdopen(fd, "wb") as out:

@@ -12,9 +12,9 @@ What a GGUF holds and what becomes of it:
 - qwen2's q/k/v biases (attn_q.bias, ...) become the projections' biases (`qkv_bias`);
 - `output.weight` becomes the lm_head when the file has one; otherwise the head is tied;
 - `{arch}.*` metadata becomes config.json (a ModelConfig): sizes, RoPE base, RMSNorm eps, the
-  context length (the RoPE tables grow with use, so a long one costs nothing); a vocabulary padded with UNUSED tokens to the
-  embedding's row count (Qwen2: 151,665 tokens, 151,936 rows) sets `sampled_vocab_size`, so
-  those rows are never sampled;
+  context length (the RoPE tables grow with use, so a long one costs nothing); a vocabulary padded
+  with UNUSED tokens to the embedding's row count (Qwen2: 151,665 tokens, 151,936 rows) sets
+  `sampled_vocab_size`, so those rows are never sampled;
 - `tokenizer.ggml.*` metadata becomes tokenizer.json (gpt2-style byte-level BPE, built with the
   `tokenizers` library) or tokenizer.model (a SentencePiece vocabulary, serialized as
   sentencepiece's ModelProto by the small protobuf writer below, so protobuf is not needed),
@@ -48,15 +48,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     gguf = None
 
-try:  # run from a source checkout without installing minispec
-    import minispec  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from _common import (DTYPES, ConversionError, TensorEntry, atomic_output_dir, check_output_loads, run_tool,
                      tool_parser, write_safetensors)
 
-from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_state_dict, expected_tensors
+from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_output_dir, check_state_dict, expected_tensors
 from minispec.config import MAX_COUNT, ModelConfig
 from minispec.errors import InputError, show
 from minispec.model import Transformer
@@ -168,8 +163,8 @@ def check_metadata(meta: dict, shapes: dict[str, tuple[int, ...]], source: str) 
     for suffix in _COUNT_KEYS:
         v = meta.get(f"{arch}.{suffix}")
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_COUNT):
-            raise ConversionError(f"{source}: metadata {arch}.{suffix} must be a positive integer (at most {MAX_COUNT}; "
-                                  f"per-layer lists are not supported), got {show(v)}")
+            raise ConversionError(f"{source}: metadata {arch}.{suffix} must be a positive integer (at most "
+                                  f"{MAX_COUNT}; per-layer lists are not supported), got {show(v)}")
     for suffix in _FLOAT_KEYS:
         v = meta.get(f"{arch}.{suffix}")
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v <= 0):
@@ -190,6 +185,11 @@ def check_metadata(meta: dict, shapes: dict[str, tuple[int, ...]], source: str) 
         if not all(map(ok, meta.get(f"tokenizer.ggml.{name}", ()))):
             raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} must be a list of {kind}")
     tokens = meta.get("tokenizer.ggml.tokens")
+    for name in ("token_type", "scores"):  # one entry per token: a shorter list leaves tokens without a type
+        v = meta.get(f"tokenizer.ggml.{name}")
+        if v is not None and tokens is not None and len(v) != len(tokens):
+            raise ConversionError(f"{source}: metadata tokenizer.ggml.{name} has {len(v)} entries for {len(tokens)} "
+                                  "tokens; the file is inconsistent")
     embd = shapes.get("token_embd.weight")
     if embd is not None and len(embd) != 2:
         raise ConversionError(f"{source}: tensor token_embd.weight has shape {embd}; an embedding is (vocab, dim)")
@@ -201,8 +201,10 @@ def check_metadata(meta: dict, shapes: dict[str, tuple[int, ...]], source: str) 
 def check_tensor_layout(reader, size: int, path: Path) -> None:
     """Tensor data must be where GGUF puts it: each tensor's bytes inside the file, at an aligned offset
     into the data section, after the previous tensor's (in order, so no two tensors share bytes), and as
-    many as its shape and type need."""
+    many as its shape and type need, filling the space up to the next tensor but for the alignment's
+    padding (an F32 tensor relabelled F16 would read half its bytes as garbage and leave the rest)."""
     end, prev = 0, None
+    spans = []  # (name, start, end) relative to the data section, in order
     for t in reader.tensors:
         rel = t.data_offset - reader.data_offset
         n = math.prod(int(d) for d in t.shape)  # exact (the reader's numpy product wraps around in uint64)
@@ -220,6 +222,15 @@ def check_tensor_layout(reader, size: int, path: Path) -> None:
             raise ConversionError(f"{path}: tensor {t.name!r} (data offset {rel}) overlaps or precedes {prev!r} "
                                   f"(which ends at {end}); the file is corrupt or crafted: its weights would be wrong")
         end, prev = rel + t.n_bytes, t.name
+        spans.append((t.name, rel, end))
+    # the space up to the next tensor (or the end of the file) may hold only the alignment's padding
+    nexts = [(start, f"{name!r} starts") for name, start, _ in spans[1:]]
+    nexts.append((size - reader.data_offset, "the end of the file"))
+    for (name, _, stop), (start, what) in zip(spans, nexts):
+        if start - stop >= reader.alignment:
+            raise ConversionError(f"{path}: tensor {name!r} ends {start - stop} bytes before {what}, more than the "
+                                  f"alignment ({reader.alignment}) pads; its type or shape is wrong: the file is "
+                                  "corrupt or crafted")
 
 
 def read_metadata(reader) -> dict:
@@ -316,7 +327,9 @@ def config_from_metadata(meta: dict, tensors: dict[str, tuple[int, ...]], source
         rope_theta=_f32_decimal(key("rope.freq_base", 10000.0)),
         max_seq_len=int(key("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        # any q/k/v bias in any layer: a file missing one of them is then told it is missing, not that the others
+        # are unexpected
+        qkv_bias=any(re.fullmatch(r"blk\.\d+\.attn_[qkv]\.bias", n) for n in tensors),
         sampled_vocab_size=sampled_vocab_size(meta, int(vocab_size)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_id=stops[0] if len(stops) == 1 else (stops or None),
@@ -384,7 +397,8 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:  # the tokenizers library's own check, e.g. a merge of tokens not in the vocabulary
-        raise ConversionError(f"tokenizer.ggml.tokens/merges do not make a BPE tokenizer ({show(str(e), 200)})") from None
+        raise ConversionError(f"tokenizer.ggml.tokens/merges do not make a BPE tokenizer "
+                              f"({show(str(e), 200)})") from None
     pre = meta.get("tokenizer.ggml.pre", "default")
     tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     if NORMALIZERS.get(pre) == "NFC":
@@ -398,8 +412,8 @@ def build_bpe_tokenizer_json(meta: dict) -> str:
     if user:
         tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise ConversionError(f"the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file "
-                              f"lists {len(tokens)}")
+        raise ConversionError(f"the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, "
+                              f"the file lists {len(tokens)}")
     return tok.to_str(pretty=True)
 
 
@@ -488,7 +502,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
 
 def open_gguf(path: Path):
     if gguf is None:
-        raise ConversionError("the 'gguf' package is not installed: pip install 'minispec[convert]' (or pip install gguf)")
+        raise ConversionError("the 'gguf' package is not installed: pip install 'minispec[convert]' "
+                              "(or pip install gguf)")
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     try:
@@ -503,8 +518,9 @@ def open_gguf(path: Path):
 
 def check_tensor_type(t) -> None:
     if t.tensor_type.name not in SUPPORTED_TYPES:
-        raise ConversionError(f"tensor {t.name!r} has type {t.tensor_type.name}, which this converter does not dequantize "
-                              f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantize the model to one of those")
+        raise ConversionError(f"tensor {t.name!r} has type {t.tensor_type.name}, which this converter does not "
+                              f"dequantize (supported: {', '.join(SUPPORTED_TYPES)}); re-quantize the model to one "
+                              "of those")
 
 
 def load_tensor(t, name: str, cfg: ModelConfig, permuted: bool = True) -> torch.Tensor:
@@ -536,8 +552,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if dst.exists() and not overwrite:  # before the work, not after it
-        raise ConversionError(f"{dst} already exists; choose another output directory or pass --overwrite")
+    try:
+        check_output_dir(dst, overwrite)  # before the work, not after it
+    except FileExistsError as e:
+        raise ConversionError(str(e)) from None
     reader = open_gguf(src)
     meta = read_metadata(reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}

