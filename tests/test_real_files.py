@@ -342,14 +342,7 @@ def _qwen2_gguf(path: Path, skip: tuple[str, ...] = ()) -> Path:
     tensors = dict(tiny_files._weights(0))
     for name, rows in (("q", TINY["n_heads"] * hd), ("k", TINY["n_kv_heads"] * hd), ("v", TINY["n_kv_heads"] * hd)):
         tensors[f"blk.0.attn_{name}.bias"] = rng.normal(0, 0.3, rows).astype(np.float32)
-    for name, arr in tensors.items():
-        if name not in skip:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return tiny_files.finish_gguf(w, {n: a for n, a in tensors.items() if n not in skip}, path)
 
 
 def test_a_qwen2_gguf_missing_one_q_bias_is_told_it_is_missing(tmp_path):

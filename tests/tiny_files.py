@@ -114,7 +114,12 @@ def tiny_gguf(path: Path, vocab: dict | None = None, seed: int = 0, **meta) -> P
     add_metadata(w, {k: v for k, v in meta.items() if k not in wide})  # ints as uint32
     for key, value in wide.items():
         w.add_uint64(key, value)
-    for name, arr in _weights(seed).items():
+    return finish_gguf(w, _weights(seed), path)
+
+
+def finish_gguf(w, tensors: dict, path):
+    """Add `tensors` (name -> array) to the GGUFWriter `w`, write the file and close it; returns path."""
+    for name, arr in tensors.items():
         w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
