@@ -1,14 +1,14 @@
 """minispec: a from-scratch Llama-family transformer with a paged KV cache and exact speculative decoding."""
 
+from . import controls  # noqa: F401  (registers the negative-control samplers by name)
+from .adaptive import AdaptiveK
 from .cache import BlockAllocator, CacheExhausted, PagedKVCache
 from .checkpoint import CheckpointError
 from .config import ModelConfig
+from .drafters import Drafter, PromptLookupDrafter
 from .model import Transformer
 from .sampling import SamplingParams
-from .adaptive import AdaptiveK
-from .drafters import Drafter, PromptLookupDrafter
 from .speculative import SpeculativeResult, SpeculativeStats
-from . import controls  # noqa: F401  (registers the negative-control samplers by name)
 
 __all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "ModelConfig", "PagedKVCache",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeResult", "SpeculativeStats", "Transformer"]

@@ -35,8 +35,8 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

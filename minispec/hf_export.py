@@ -23,8 +23,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, atomic_output_dir, check_dtypes,
-                         check_head_ids, check_state_dict, expected_tensors, minispec_to_hf_name)
+from .checkpoint import (
+    CONFIG_NAME,
+    TOKENIZER_FILES,
+    WEIGHTS_NAME,
+    CheckpointError,
+    atomic_output_dir,
+    check_dtypes,
+    check_head_ids,
+    check_state_dict,
+    expected_tensors,
+    minispec_to_hf_name,
+)
 from .config import ModelConfig
 from .model import Transformer
 from .safetensors_writer import TORCH_DTYPE, TensorEntry, copy_files, write_safetensors

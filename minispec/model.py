@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import kernels
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
-from .config import ModelConfig
+from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
 from .generate import generate
 from .kernels import Int4Weight, int4_supported
@@ -179,7 +179,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        device, dtype = resolve_device(device), resolve_dtype(dtype)  # before any weight is made
+        device, dtype = resolve_device(device), resolve_dtype(dtype, DTYPES)  # before any weight is made
         self.config = cfg = config
         self.tokenizer = None  # attached by from_pretrained when the checkpoint has one
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -346,7 +346,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, int4: bool | None = None) -> Transformer:
         """checkpoint.load_pretrained, with `device` and `dtype` checked (resolve_device, resolve_dtype) first."""
-        return load_pretrained(cls, path, device=resolve_device(device), dtype=resolve_dtype(dtype), int4=int4)
+        return load_pretrained(cls, path, device=resolve_device(device), dtype=resolve_dtype(dtype, DTYPES), int4=int4)
 
     save_pretrained = save_pretrained  # model.save_pretrained(dir, dtype=None)
     generate = generate  # model.generate(prompts, max_new_tokens=64, temperature=0.0, ...)

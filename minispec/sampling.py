@@ -83,8 +83,9 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     total = cdf[:, -1]
     ok = torch.isfinite(total) & (total > 0) & (probs >= 0).all(-1)
     if not bool(ok.all()):
-        raise SamplingError(f"probability row {int((~ok).nonzero()[0])} has no mass, a NaN or a negative entry: nothing "
-                            "can be sampled from it (check the logits and the temperature, top_k and top_p settings)")
+        raise SamplingError(f"probability row {int((~ok).nonzero()[0])} has no mass, a NaN or a negative entry: "
+                            "nothing can be sampled from it (check the logits and the temperature, top_k and top_p "
+                            "settings)")
     x = (u.double().cpu() * total).unsqueeze(-1)  # (B, 1)
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     out = idx.tolist()

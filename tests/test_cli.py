@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
-from helpers import SMOL_DRAFT, require_smollm2
 from minispec.cli import main
+
+from helpers import SMOL_DRAFT, require_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,9 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
 
 def test_bench_merges_stats_over_prompts():
     """The spec table's acceptance and tokens per round cover every bench prompt, not the last one."""
-    import bench
     from minispec.speculative import SpeculativeStats
+
+    import bench
 
     a, b = SpeculativeStats(), SpeculativeStats()
     a._count(4, 4), a._count(4, 1)
@@ -91,8 +93,9 @@ def test_bench_merges_stats_over_prompts():
 
 def test_bench_cost_model_arithmetic(monkeypatch):
     """The cost model on hand-worked figures: target-only's measured time per token over the modelled one."""
-    import bench
     from minispec import speculative
+
+    import bench
 
     res = {"new_tokens": 10, "target_step_ms": 100.0, "draft_cost_ratio": 0.1, "draft2_cost_ratio": 0.2,
            "prefill_cost": {"target": 2.0, "draft": 1.0}, "verify_cost": {0: 1.0, 1: 1.3, 2: 1.4},

@@ -21,12 +21,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from minispec import ModelConfig, Transformer
+from minispec.checkpoint import CheckpointError
+
 import convert_hf
 from convert_hf import ConversionError, convert
 from export_hf import export
 from helpers import HF_VOCAB, LLAMA3, TOOLS, hf_logits, leftovers, make_hf, scramble_
-from minispec import ModelConfig, Transformer
-from minispec.checkpoint import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,14 +11,15 @@ import shutil
 import zipfile
 from pathlib import Path
 
-import distill as dd
 import numpy as np
 import pytest
 import torch
 
-from helpers import Payload, write_word_tokenizer
 from minispec import CheckpointError, ModelConfig, Transformer
 from minispec.tokenizer import load_tokenizer
+
+import distill as dd
+from helpers import Payload, write_word_tokenizer
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "\n", "You", "are", "a", "helpful",
          "the", "sky", "is", "blue", "why", "tell", "me", "about", "cats", "dogs", "rain", "sun", "and", "."]

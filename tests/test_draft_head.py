@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-import draft_head
 import pytest
 import torch
 
-from helpers import peaked_model
 from minispec import Transformer
+
+import draft_head
+from helpers import peaked_model
 
 
 @pytest.fixture

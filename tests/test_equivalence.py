@@ -17,14 +17,27 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SMOL_DRAFT, peaked_model, require_smollm2, tiny_pair, write_word_tokenizer
-from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
 from minispec import AdaptiveK, SamplingParams, Transformer
 from minispec.controls import CONTROLS
-from minispec.equivalence import (DEFAULTS, EARLY_ALPHA, ORDERS, EquivalenceInputError, analyse, holm, pit,
-                                  plot_report, run_equivalence, target_pit, uniformity, uniformity_batch)
+from minispec.equivalence import (
+    DEFAULTS,
+    EARLY_ALPHA,
+    ORDERS,
+    EquivalenceInputError,
+    analyse,
+    holm,
+    pit,
+    plot_report,
+    run_equivalence,
+    target_pit,
+    uniformity,
+    uniformity_batch,
+)
 from minispec.equivalence.power import head_rows
 from minispec.sampling import logits_to_probs
+
+from helpers import SMOL_DRAFT, peaked_model, require_smollm2, tiny_pair, write_word_tokenizer
+from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
 
 BROKEN = CONTROLS
 PROMPT = [1, 5, 2, 7, 3]

@@ -20,12 +20,19 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
 from minispec import SamplingParams, cli
 from minispec.controls import CONTROLS
-from minispec.equivalence import (EquivalenceInputError, SampleSet, SamplesFileError, audit_samples, read_samples,
-                                  run_equivalence)
+from minispec.equivalence import (
+    EquivalenceInputError,
+    SampleSet,
+    SamplesFileError,
+    audit_samples,
+    read_samples,
+    run_equivalence,
+)
 from minispec.equivalence.samples import group
+
+from helpers import equivalence_cli as main  # python -m minispec equivalence ARGV -> exit status
 
 PROMPTS = [[1, 5, 2, 7, 3], [4, 4, 9]]
 SETTINGS = {"temperature": 0.7, "top_k": 8, "top_p": None, "new_tokens": 3, "engine": "test", "engine_version": "1"}

@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_files import add_metadata
+
+from minispec import Transformer
+from minispec.tokenizer import load_tokenizer
 
 import convert_gguf as conv
 from helpers import ROOT, TOOLS, leftovers, run_main
-from tiny_files import add_metadata
-from minispec import Transformer
-from minispec.tokenizer import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -245,7 +246,6 @@ def test_config_from_metadata(tiny_spm_dir):
 
 def test_sentencepiece_vocab_becomes_tokenizer_model(tiny_spm_dir, spm_model):
     import sentencepiece as spm
-
     from test_tokenizer import varied_lines
     assert (tiny_spm_dir / "tokenizer.model").is_file() and not (tiny_spm_dir / "tokenizer.json").exists()
     tok = load_tokenizer(tiny_spm_dir)
@@ -280,9 +280,8 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tiny_spm_gguf, tiny_s
 
 
 def _train_byte_level_bpe():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from test_tokenizer import training_lines
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -22,11 +22,12 @@ import dataclasses
 
 import pytest
 import torch
-from convert_hf import ConversionError, config_from_hf
 
-from helpers import HF_VOCAB, LLAMA3, hf_logits, make_hf
 from minispec import ModelConfig, Transformer
 from minispec.checkpoint import hf_to_minispec_name
+
+from convert_hf import ConversionError, config_from_hf
+from helpers import HF_VOCAB, LLAMA3, hf_logits, make_hf
 
 pytest.importorskip("transformers")  # make_hf needs it
 

@@ -14,11 +14,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import tiny_model
 from minispec import Transformer
 from minispec.sampling import SamplingParams, sample, sample_rows
-from minispec.speculative import (SAMPLERS, AdaptiveK, PromptLookupDrafter, SpeculativeStats, acceptance, auto_k,
-                                  best_k, expected_tokens, residual, verify)
+from minispec.speculative import (
+    SAMPLERS,
+    AdaptiveK,
+    PromptLookupDrafter,
+    SpeculativeStats,
+    acceptance,
+    auto_k,
+    best_k,
+    expected_tokens,
+    residual,
+    verify,
+)
+
+from helpers import tiny_model
 
 # ---- hypothesis strategies: probability vectors with zeros, tiny entries, one-hots, equal and disjoint pairs ----
 

@@ -6,15 +6,15 @@ must equal target-only greedy decoding token for token, whatever the draft.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import peaked_model, require_smollm2, truncated
 from minispec import Transformer
 from minispec.speculative import PromptLookupDrafter
+
+from helpers import peaked_model, require_smollm2, truncated
 
 V = 16
 

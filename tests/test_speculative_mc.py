@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import peaked_model
-from helpers import truncated as shared_truncated
 from minispec import SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
+
+from helpers import peaked_model
+from helpers import truncated as shared_truncated
 
 V = 8  # vocabulary: V**3 = 512 possible continuations of 3 tokens
 N = 3000  # samples per run: enough power for the negative controls

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import convert_gguf as conv
 from minispec.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+import convert_gguf as conv
 
 FRAGMENTS = [
     "Hello world", "The quick brown fox jumps over the lazy dog.", "HELLO World", "hElLo WoRlD", "I'm", "don't",

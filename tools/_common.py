@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from minispec.checkpoint import atomic_output_dir  # noqa: F401  (re-exported for the tools)
 from minispec.config import DTYPES, read_json  # noqa: F401  (read_json: re-exported for the tools)
 from minispec.errors import InputError, one_line
 from minispec.model import Transformer
+
 # the safetensors writer, re-exported for the tools
 from minispec.safetensors_writer import TORCH_DTYPE, TensorEntry, copy_files, write_safetensors  # noqa: F401
 

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-from export_hf import notes
 
 from minispec import ModelConfig, Transformer
 from minispec.checkpoint import minispec_to_hf_name
 from minispec.hf_export import export_hf
+
+from export_hf import notes
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                      max_seq_len=2048, rope_theta=100000.0, tie_embeddings=True, bos_id=1, eos_id=2)

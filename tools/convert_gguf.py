@@ -48,14 +48,22 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     gguf = None
 
-from _common import (DTYPES, ConversionError, TensorEntry, atomic_output_dir, check_output_loads, run_tool,
-                     tool_parser, write_safetensors)
-
+from minispec import protobuf
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_output_dir, check_state_dict, expected_tensors
 from minispec.config import MAX_COUNT, ModelConfig
 from minispec.errors import InputError, show
 from minispec.model import Transformer
-from minispec import protobuf
+
+from _common import (
+    DTYPES,
+    ConversionError,
+    TensorEntry,
+    atomic_output_dir,
+    check_output_loads,
+    run_tool,
+    tool_parser,
+    write_safetensors,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # the architectures whose attn_q / attn_k rows llama.cpp's converter permutes (LlamaModel.modify_tensors);

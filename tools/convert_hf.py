@@ -34,20 +34,40 @@ import contextlib
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
 
-from _common import (DTYPES, TORCH_DTYPE, ConversionError, TensorEntry, atomic_output_dir, check_output_loads,
-                     copy_files, read_json, run_tool, tool_parser, write_safetensors)
-from minispec.checkpoint import (CONFIG_NAME, TOKENIZER_FILES, WEIGHTS_NAME, CheckpointError, check_output_dir,
-                                 check_state_dict, expected_tensors, hf_to_minispec_name)
+from minispec.checkpoint import (
+    CONFIG_NAME,
+    TOKENIZER_FILES,
+    WEIGHTS_NAME,
+    CheckpointError,
+    check_output_dir,
+    check_state_dict,
+    expected_tensors,
+    hf_to_minispec_name,
+)
 from minispec.config import ModelConfig, is_int
 from minispec.errors import show
 from minispec.model import Transformer
 from minispec.tokenizer import load_tokenizer
+
+from _common import (
+    DTYPES,
+    TORCH_DTYPE,
+    ConversionError,
+    TensorEntry,
+    atomic_output_dir,
+    check_output_loads,
+    copy_files,
+    read_json,
+    run_tool,
+    tool_parser,
+    write_safetensors,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

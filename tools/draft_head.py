@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from _common import ConversionError, run_tool
-
 from minispec import ModelConfig, Transformer
 from minispec.checkpoint import check_output_dir, save_pretrained  # noqa: E402
+
+from _common import ConversionError, run_tool
 
 DEFAULT_TOKENS = 32768
 

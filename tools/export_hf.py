@@ -15,10 +15,10 @@ import functools
 import sys
 import warnings
 
-from _common import run_tool, tool_parser
-
 from minispec.hf_export import ExportWarning
 from minispec.hf_export import export_hf as export  # export_hf.export: the name this tool has always had
+
+from _common import run_tool, tool_parser
 
 
 def _show(show, message, category, *rest) -> None:

@@ -106,7 +106,7 @@ class Simulation:
         self.u_p = np.stack(u_p).astype(np.float32)
         self.u_r, self.tv = None, None
 
-    def distort(self, kind: str) -> "Simulation":
+    def distort(self, kind: str) -> Simulation:
         """Draw every run's r tokens for this kind (the same uniforms for every kind); sets tv = TV(p, r) per row."""
         r = distorted(self.p, kind)
         self.tv = 0.5 * (np.abs(self.p - r).sum(1) + self.tau)
@@ -237,7 +237,7 @@ def detectable_bias(p: np.ndarray, f_id: np.ndarray, alpha: float, bins: int, or
     base = Simulation(p, f_id, orders, runs, seed)
     for kind in kinds:
         sim = base.distort(kind)
-        eps, rate = smallest_eps(lambda e, r: float(sim.rejects(e, alpha, bins, r).mean()), runs, target)
+        eps, rate = smallest_eps(lambda e, r, sim=sim: float(sim.rejects(e, alpha, bins, r).mean()), runs, target)
         full = float(sim.tv.mean())
         out.kinds[kind] = {"eps": eps, "tv": None if eps is None else eps * full, "tv_at_full_strength": full,
                            "rate": rate}

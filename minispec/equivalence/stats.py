@@ -31,7 +31,8 @@ def pit(probs: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor, order
     """
     if probs.shape[:-1] != tokens.shape or tokens.shape != uniforms.shape:
         raise ValueError(f"pit needs probs (..., V), tokens (...) and uniforms (...) with matching leading shapes; "
-                         f"got probs {tuple(probs.shape)}, tokens {tuple(tokens.shape)}, uniforms {tuple(uniforms.shape)}")
+                         f"got probs {tuple(probs.shape)}, tokens {tuple(tokens.shape)}, "
+                         f"uniforms {tuple(uniforms.shape)}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
     V = probs.shape[-1]

@@ -34,8 +34,18 @@ Chen et al. 2023 (speculative decoding); Zhou et al. 2023, DistillSpec
 from .checkpoint import CKPT_NAME, draft_from_checkpoint, load_checkpoint, save_checkpoint
 from .cli import main
 from .common import DTYPES, TOPK, DataError
-from .data import (MANIFEST, Example, Shard, check_data_target, compute_labels, item_key, labels_path, load_examples,
-                   n_tokens, shard_paths)
+from .data import (
+                   MANIFEST,
+                   Example,
+                   Shard,
+                   check_data_target,
+                   compute_labels,
+                   item_key,
+                   labels_path,
+                   load_examples,
+                   n_tokens,
+                   shard_paths,
+)
 from .draft import build_draft, export_draft, make_draft_config
 from .generation import ContinuousBatch, ShardWriter, generate_stage, shared_prefix, work_items
 from .measure import heldout_prompts, measure_stage, simulate_greedy_rounds

@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import torch
+from distill_prompts import load_prompts
 
 from minispec import ModelConfig, Transformer
 from minispec.cli import device_argument
 from minispec.tokenizer import load_tokenizer
-
-from distill_prompts import load_prompts
 
 from .checkpoint import CKPT_NAME, draft_from_checkpoint, load_checkpoint
 from .common import DATA, DRAFT_OUT, DTYPES, LABELS, PROMPTS, RUN, TARGET, log, set_threads

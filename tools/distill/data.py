@@ -62,7 +62,7 @@ class Shard:
     FIELDS = ("prompt_id", "temperature", "seed", "prompt_len", "resp_len", "prompt_tokens", "resp_tokens")
 
     @classmethod
-    def from_sequences(cls, seqs: list[dict]) -> "Shard":
+    def from_sequences(cls, seqs: list[dict]) -> Shard:
         """Dicts with prompt_id, temperature, seed, prompt and response (lists of ids) -> a shard."""
         if any(max(s["prompt"] + s["response"], default=0) > np.iinfo(np.uint16).max for s in seqs):
             raise DataError("token ids above 65535 do not fit the uint16 shards; widen the dtype")
@@ -80,7 +80,7 @@ class Shard:
         os.replace(tmp, path)  # a shard appears whole or not at all
 
     @classmethod
-    def load(cls, path: Path) -> "Shard":
+    def load(cls, path: Path) -> Shard:
         fix = "delete the shard and regenerate"
         shard = cls(**read_arrays(path, cls.FIELDS, "distillation shard", fix))
         n = len(shard.prompt_id)
