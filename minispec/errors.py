@@ -52,7 +52,7 @@ def is_number(v) -> bool:
 def check_int(name: str, v, lo: int, hi: int | None = None, error: type[InputError] = InputError) -> int:
     """`v` if it is an integer (not a bool) in [lo, hi]; else `error` (an InputError, so a ValueError) naming `name`."""
     if not is_int(v) or v < lo or (hi is not None and v > hi):
-        raise error(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {v!r}")
+        raise error(f"{name} must be an integer >= {lo}{'' if hi is None else f' and <= {hi}'}, got {show(v)}")
     return v
 
 
@@ -147,7 +147,7 @@ def resolve_stop_tokens(model, stop_tokens) -> frozenset[int]:
 def check_max_new_tokens(n) -> None:
     """max_new_tokens must be an integer >= 0 (0 returns no tokens)."""
     if not is_int(n) or n < 0:
-        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {n!r}")
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {show(n)}")
 
 
 def check_compatible(target, draft) -> None:
@@ -177,17 +177,17 @@ class SamplingError(InputError):
 def check_seed(seed) -> None:
     """None, or an integer in [0, MAX_SEED]: 2**64, 1.5 and "abc" are refused, never truncated or wrapped."""
     if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {seed!r}")
+        raise SamplingError(f"seed must be an integer in [0, 2**63 - 1] or None, got {show(seed)}")
 
 
 def check_sampling(temperature, top_k, top_p) -> None:
     """The settings of a SamplingParams: each refused with a SamplingError that names it."""
     if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {temperature!r}")
+        raise SamplingError(f"temperature must be a number >= 0 (0 = greedy), finite, got {show(temperature)}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise SamplingError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+        raise SamplingError(f"top_k must be an integer >= 1 or None, got {show(top_k)}")
     if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
-        raise SamplingError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+        raise SamplingError(f"top_p must be in (0, 1] or None, got {show(top_p)}")
 
 
 def unsampleable(logits: torch.Tensor) -> str | None:
@@ -248,16 +248,14 @@ def check_proposal(drafter, rows: list[int], ks: list[int], proposal, vocab_size
     return out, list(qs)
 
 
-def resolve_dtype(dtype) -> torch.dtype | None:
-    """None, a floating torch.dtype, or one of minispec.config.DTYPES' names ("float16", ...) -> a torch.dtype
+def resolve_dtype(dtype, names: dict[str, torch.dtype]) -> torch.dtype | None:
+    """None, a floating torch.dtype, or one of `names` (minispec.config.DTYPES: "float16", ...) -> a torch.dtype
     or None. Anything else is an InputError: a string is never handed to torch to be read some other way."""
-    from .config import DTYPES  # here: config imports this module
-
     if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise InputError(f"dtype must be None, a floating torch.dtype or one of {', '.join(DTYPES)}, got {show(dtype)}")
+    if isinstance(dtype, str) and dtype in names:
+        return names[dtype]
+    raise InputError(f"dtype must be None, a floating torch.dtype or one of {', '.join(names)}, got {show(dtype)}")
 
 
 def resolve_device(device) -> torch.device | None:

@@ -10,7 +10,15 @@ Four targets, each a valid tiny file spoiled by one to three mutations:
   counts, tensor dims and offsets) and numeric values set to extremes or NaN;
 - tokenizer.json and tokenizer_config.json: as config.json.
 
-Every outcome must be a clean load, whose result is then used (a few generated tokens, an
+Two more targets check properties rather than refusals:
+- a valid tokenizer.json given padding and truncation settings (any strategy, direction and length,
+  10**9 included): it loads, and encodes and decodes exactly as the same file without them;
+- save_pretrained into an existing directory holding foreign files (nested, hidden, some named
+  like a checkpoint's own files) and perhaps an older checkpoint: every foreign file not named
+  like a checkpoint file survives unchanged, the directory loads as the model saved, and nothing
+  is left beside it.
+
+Every outcome of the first four must be a clean load, whose result is then used (a few generated tokens, an
 encode/decode round, a chat prompt, the converted checkpoint loaded), or minispec's own error
 type (errors.InputError and its subclasses). Each example runs under a time bound (SIGALRM)
 and the whole test under an address-space bound (RLIMIT_AS), and a failed conversion leaves no
@@ -31,17 +39,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_files import WORDS, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 from minispec import Transformer
+from minispec.checkpoint import CHECKPOINT_FILES
 from minispec.errors import InputError
 from minispec.tokenizer import load_tokenizer
 
-from conftest import load_gguf_converter
-from tiny_files import llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
+import convert_gguf as conv
+from helpers import leftovers
 
 gguf = pytest.importorskip("gguf")
-conv = load_gguf_converter()
 
 EXAMPLES = int(os.environ.get("MINISPEC_FUZZ_EXAMPLES", "150"))
 SECONDS_PER_EXAMPLE = 30  # a hang is a failure, not a stuck test run
@@ -207,6 +218,8 @@ def valid(tmp_path_factory):
     tiny_tokenizer_dir(root / "tok")
     tiny_gguf(root / "gpt2.gguf")  # its vocabulary becomes a tokenizer.json
     tiny_gguf(root / "llama.gguf", llama_vocab())  # a tokenizer.model (sentencepiece)
+    tiny_checkpoint(root / "with_tok", seed=1, eos_id=2)
+    tiny_tokenizer_dir(root / "with_tok")
     return root
 
 
@@ -260,8 +273,7 @@ def test_fuzz_gguf(valid, tmp_path, bounded):
         shutil.rmtree(dst, ignore_errors=True)
         cfg = attempt(outcomes, "load", lambda: conv.convert(src, dst, progress=False))
         if cfg is None:
-            assert not [p.name for p in tmp_path.iterdir() if p.name == "out" or p.name.startswith(".out.")], \
-                "a failed conversion left output behind"
+            assert leftovers(tmp_path, "out") == [], "a failed conversion left output behind"
         else:
             model = Transformer.from_pretrained(dst)  # a conversion that succeeded must load
             attempt(outcomes, "use", lambda: use_model(model))
@@ -296,3 +308,93 @@ def test_fuzz_tokenizer(valid, tmp_path, bounded):
 
     run()
     report("tokenizer", outcomes)
+
+
+# ---------------------------------------------------------------------------------------------
+# properties: a tokenizer.json's padding and truncation settings, saving into directories that are not empty
+
+SIZES = [0, 1, 2, 3, 5, 8, 64, 10**9, 2**32 - 1, 2**64 - 1]  # what the tokenizers library reads as a usize
+
+
+@st.composite
+def padding_settings(draw):
+    strategy = draw(st.sampled_from(["BatchLongest", "fixed"]))
+    return {"strategy": {"Fixed": draw(st.sampled_from(SIZES))} if strategy == "fixed" else strategy,
+            "direction": draw(st.sampled_from(["Left", "Right"])),
+            "pad_to_multiple_of": draw(st.sampled_from([None, 1, 7, 64, 10**9])),
+            "pad_id": draw(st.sampled_from([0, 2, 15, 16, 2**32 - 1])), "pad_type_id": draw(st.sampled_from([0, 1, 9])),
+            "pad_token": draw(st.sampled_from(WORDS + ["[PAD]", ""]))}
+
+
+@st.composite
+def truncation_settings(draw):
+    return {"direction": draw(st.sampled_from(["Left", "Right"])), "max_length": draw(st.sampled_from(SIZES)),
+            "strategy": draw(st.sampled_from(["LongestFirst", "OnlyFirst", "OnlySecond"])),
+            "stride": draw(st.sampled_from(SIZES))}
+
+
+def test_fuzz_tokenizer_settings(valid, tmp_path, bounded):
+    """transformers turns a tokenizer.json's padding and truncation off on every call: the same ids as without."""
+    spec = json.loads((valid / "tok" / "tokenizer.json").read_text())
+    plain = load_tokenizer(valid / "tok")
+    texts = st.lists(st.sampled_from(WORDS[3:] + [" ", "  ", "<s>", "</s>", "x"]), max_size=12).map("".join)
+
+    @FUZZ
+    @given(padding=st.none() | padding_settings(), truncation=st.none() | truncation_settings(),
+           text=texts, special=st.booleans())
+    def run(padding, truncation, text, special):
+        d = tmp_path / "tok"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(valid / "tok", d)
+        (d / "tokenizer.json").write_text(json.dumps({**spec, "padding": padding, "truncation": truncation}))
+        signal.setitimer(signal.ITIMER_REAL, SECONDS_PER_EXAMPLE)
+        try:
+            tok = load_tokenizer(d)
+            ids = tok.encode(text, bos=special)
+            assert ids == plain.encode(text, bos=special), (padding, truncation, text)
+            assert tok.decode(ids) == plain.decode(ids)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    run()
+
+
+FOREIGN_NAMES = ["notes.txt", ".hidden", "README.md", "config.json.bak", "model.safetensors.1", "d\u00fcnn.bin",
+                 "sub/inner.txt", "sub/deeper/x", ".ckpt.old-x", "vocab.txt", *CHECKPOINT_FILES]
+
+
+def test_fuzz_save_into_existing_directories(valid, tmp_path, bounded):
+    models = {False: Transformer.from_pretrained(valid / "ckpt"), True: Transformer.from_pretrained(valid / "with_tok")}
+    assert models[True].tokenizer is not None and models[False].tokenizer is None
+    outcomes = Counter()
+
+    @FUZZ
+    @given(foreign=st.dictionaries(st.sampled_from(FOREIGN_NAMES), st.binary(max_size=64), max_size=6),
+           older=st.sampled_from([None, False, True]), with_tok=st.booleans(), twice=st.booleans())
+    def run(foreign, older, with_tok, twice):
+        d = tmp_path / "ckpt"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        if older is not None:  # an older checkpoint already there, with or without a tokenizer
+            models[older].save_pretrained(d)
+        for name, content in foreign.items():
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            (d / name).write_bytes(content)
+        model = models[with_tok]
+        signal.setitimer(signal.ITIMER_REAL, SECONDS_PER_EXAMPLE)
+        try:
+            for _ in range(2 if twice else 1):
+                model.save_pretrained(d)
+            loaded = Transformer.from_pretrained(d)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        kept = {n: c for n, c in foreign.items() if n not in CHECKPOINT_FILES}
+        for name, content in kept.items():
+            assert (d / name).read_bytes() == content, f"the foreign file {name} did not survive"
+        assert (loaded.tokenizer is None) == (model.tokenizer is None)
+        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+        assert leftovers(tmp_path, "ckpt") == ["ckpt"], "a save left temporaries beside the directory"
+        outcomes["with foreign files" if kept else "checkpoint files only"] += 1
+
+    run()
+    print(f"\nfuzz save paths: {dict(outcomes)}")
