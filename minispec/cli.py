@@ -35,7 +35,9 @@ from .equivalence import (
     plot_report,
     run_equivalence,
 )
-from .errors import MAX_SEED, check_compatible, one_line
+from .equivalence.llama_server import ENGINE as LLAMA_CPP
+from .equivalence.llama_server import LlamaServer, ServerClient, context_size, server_samples
+from .errors import MAX_SEED, InputError, check_compatible, one_line, resolve_device
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
 from .threads import fixed_threads
@@ -113,20 +115,9 @@ def _int_in(lo: int, hi: int):
 def device_argument(s: str) -> str:
     """A device torch can use here: "potato" or "cuda" on a machine without CUDA are argparse errors."""
     try:
-        dev = torch.device(s)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{s!r} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
-    if dev.type == "cpu":
-        return s
-    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
-    if dev.type == "meta" or backend is None or not hasattr(backend, "is_available"):
-        raise argparse.ArgumentTypeError(f"device {s!r} cannot run a model here; use cpu or cuda")
-    if not backend.is_available():
-        raise argparse.ArgumentTypeError(f"device {s!r} is not available on this machine (torch "
-                                         f"{torch.__version__} sees no {dev.type}); use --device cpu")
-    count = getattr(backend, "device_count", lambda: 1)()
-    if dev.index is not None and dev.index >= count:
-        raise argparse.ArgumentTypeError(f"device {s!r} does not exist: this machine has {count} {dev.type} device(s)")
+        resolve_device(s)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return s
 
 
@@ -262,10 +253,19 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context); needed by "
                         "--engine minispec and transformers-assisted, not with --samples-file")
-    p.add_argument("--engine", choices=ENGINES, default="minispec",
-                   help="what draws the samples: minispec's speculate (default), transformers' plain sampling, or "
-                        "transformers' assisted generation (the pair exported with tools/export_hf.py, or "
-                        "--hf-target/--hf-draft)")
+    p.add_argument("--engine", choices=(*ENGINES, LLAMA_CPP), default="minispec",
+                   help="what draws the samples: minispec's speculate (default), transformers' plain sampling, "
+                        "transformers' assisted generation (the pair exported by minispec.hf_export, or "
+                        "--hf-target/--hf-draft), or llama.cpp's llama-server (--server-model, or --url)")
+    p.add_argument("--server-model", metavar="FILE.gguf",
+                   help="--engine llama.cpp: the GGUF llama-server serves as the target (started on a free local "
+                        "port and stopped afterwards); it must be the --target model (an F32 GGUF of it)")
+    p.add_argument("--server-draft", metavar="FILE.gguf",
+                   help="--engine llama.cpp: the draft model llama-server speculates with (at most --k tokens)")
+    p.add_argument("--url", metavar="URL",
+                   help="--engine llama.cpp: a llama-server already running there (nothing started or stopped)")
+    p.add_argument("--no-model-check", action="store_true",
+                   help="--engine llama.cpp: skip the check that the server runs the --target model")
     p.add_argument("--hf-target", metavar="DIR", help="the target as a Hugging Face directory for the transformers "
                                                       "engines (default: --target exported into a temporary one)")
     p.add_argument("--hf-draft", metavar="DIR", help="the assistant as a Hugging Face directory for "
@@ -319,7 +319,9 @@ def _check_equivalence_options(args) -> None:
         given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
         given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
                                       ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                                      ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype))
+                                      ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
+                                      ("--server-model", args.server_model), ("--server-draft", args.server_draft),
+                                      ("--url", args.url), ("--no-model-check", args.no_model_check or None))
                   if v is not None]
         if args.engine != "minispec":
             given.append("--engine")
@@ -330,6 +332,13 @@ def _check_equivalence_options(args) -> None:
     for name in SAMPLING_OPTIONS:
         if getattr(args, name) is None:
             setattr(args, name, DEFAULTS[name])
+    if args.engine == LLAMA_CPP:
+        _check_server_options(args)
+        return
+    server = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
+                             ("--url", args.url), ("--no-model-check", args.no_model_check or None)) if v is not None]
+    if server:
+        raise UsageError(f"{', '.join(server)} go(es) with --engine {LLAMA_CPP}")
     if args.engine == "minispec" and args.draft is None:
         raise UsageError("--engine minispec needs --draft DIR|prompt-lookup (or give --samples-file)")
     if args.engine != "minispec":
@@ -345,6 +354,39 @@ def _check_equivalence_options(args) -> None:
             raise UsageError("--engine transformers-assisted needs --draft DIR (exported) or --hf-draft DIR")
         if args.engine == "transformers" and (args.draft is not None or args.hf_draft is not None):
             raise UsageError("--engine transformers samples the target alone: --draft/--hf-draft do not apply")
+
+
+def _check_server_options(args) -> None:
+    """--engine llama.cpp: a server to start (--server-model) or one running (--url), and minispec's options out."""
+    if (args.server_model is None) == (args.url is None):
+        raise UsageError(f"--engine {LLAMA_CPP} needs --server-model FILE.gguf (a server started here) or --url URL "
+                         "(one already running), not both")
+    if args.url is not None and args.server_draft is not None:
+        raise UsageError("--server-draft starts a server with a draft; a server at --url runs with its own settings")
+    for path in (args.server_model, args.server_draft):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{path} is not a file (--server-model / --server-draft take GGUF files)")
+    given = [f for f, v in (("--draft", args.draft), ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
+                            ("--draft-dtype", args.draft_dtype)) if v is not None]
+    if args.sampler != "exact":
+        given.append("--sampler")
+    if given:
+        raise UsageError(f"{', '.join(given)} do(es) not apply with --engine {LLAMA_CPP}: the server samples with its "
+                         "own code (its draft: --server-draft)")
+    if not isinstance(args.k, int):
+        raise UsageError(f"--engine {LLAMA_CPP} takes a number for --k (the server's maximum draft length)")
+
+
+def _server_samples(args, target, prompts: list[list[int]]):
+    """The samples llama-server draws: a server started for the run (and stopped however it ends), or one at --url."""
+    kw = dict(samples=args.samples, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k or None,
+              top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True)
+    if args.url is not None:
+        return server_samples(target, ServerClient(args.url), prompts, **kw)
+    k = args.k if args.server_draft is not None else 0
+    with LlamaServer(args.server_model, args.server_draft, k=args.k,
+                     ctx_size=context_size(prompts, args.tokens, k)) as server:
+        return server_samples(target, server.client, prompts, settings=server.settings, **kw)
 
 
 def _read_prompts(args) -> list[str]:
@@ -404,7 +446,9 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         prompts = _encode_prompts(args, texts, target)
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
-        if args.engine == "minispec":
+        if args.engine == LLAMA_CPP:
+            report = audit_samples(target, _server_samples(args, target, prompts), **test)
+        elif args.engine == "minispec":
             draft = (args.draft if args.draft == PROMPT_LOOKUP
                      else load_draft(args.draft, device, target, args.draft_dtype))
             report = run_equivalence(target, draft, prompts, **sampling, **test)

@@ -10,7 +10,6 @@ import types
 import numpy as np
 import pytest
 import torch
-from tiny_files import tiny_checkpoint, tiny_tokenizer_dir
 
 from minispec import Transformer
 from minispec.adaptive import AdaptiveK, fixed_cost_ratio
@@ -19,6 +18,7 @@ from minispec.errors import GenerationError, InputError
 from minispec.threads import fixed_threads, usable_cpus
 
 from helpers import run_main, tiny_model
+from tiny_files import tiny_checkpoint, tiny_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

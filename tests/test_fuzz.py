@@ -42,7 +42,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_files import WORDS, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 from minispec import Transformer
 from minispec.checkpoint import CHECKPOINT_FILES
@@ -51,6 +50,7 @@ from minispec.tokenizer import load_tokenizer
 
 import convert_gguf as conv
 from helpers import leftovers
+from tiny_files import WORDS, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 gguf = pytest.importorskip("gguf")
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_files import add_metadata
 
 from minispec import Transformer
 from minispec.tokenizer import load_tokenizer
 
 import convert_gguf as conv
 from helpers import ROOT, TOOLS, leftovers, run_main
+from tiny_files import add_metadata
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_files import TINY, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 import minispec.tokenizer as tokenizer_module
 from minispec import CacheExhausted, CheckpointError, ModelConfig, PagedKVCache, Transformer
@@ -38,6 +37,7 @@ import convert_gguf as conv
 import convert_hf
 import export_hf
 from helpers import LLAMA3, ROOT, TOOLS, Payload, leftovers, run_main
+from tiny_files import TINY, llama_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir
 
 gguf = pytest.importorskip("gguf")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TOOLS), os.environ.get("PYTHONPATH", "")])}

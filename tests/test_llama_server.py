@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_files import TINY, add_metadata, finish_gguf, gpt2_vocab
 
 from minispec import Transformer
 from minispec.equivalence import audit_samples, llama_server
 from minispec.sampling import SamplingParams
+
+from tiny_files import TINY, add_metadata, finish_gguf, gpt2_vocab
 
 BUILT, OFF, SAMPLERS = llama_server.BUILT, llama_server.OFF, llama_server.SAMPLERS
 LlamaServer, ServerClient, ServerError = llama_server.LlamaServer, llama_server.ServerClient, llama_server.ServerError
@@ -424,3 +425,58 @@ def test_tiny_gguf_eos_is_negligible(tiny_pair):
         p = target(torch.tensor([[1, 3, 4, 5, 6, 7, 8]]))[0].float().softmax(-1)
     assert float(p[:, EOS].max()) < 1e-6
     assert float(p.max(-1).values.max()) < 0.8  # still a spread-out distribution
+
+
+# ---- the command line: python -m minispec equivalence --engine llama.cpp
+
+def _cli(target_dir, *argv) -> int:
+    from helpers import equivalence_cli
+    return equivalence_cli(["--target", str(target_dir), "--engine", "llama.cpp", *map(str, argv)])
+
+
+@pytest.mark.parametrize("argv, match", [
+    ((), "needs --server-model FILE.gguf"),
+    (("--server-model", "{gguf}", "--url", "http://127.0.0.1:1"), "not both"),
+    (("--url", "http://127.0.0.1:1", "--server-draft", "{gguf}"), "runs with its own settings"),
+    (("--server-model", "{missing}"), "is not a file"),
+    (("--server-model", "{gguf}", "--draft", "prompt-lookup"), "--draft do(es) not apply"),
+    (("--server-model", "{gguf}", "--k", "auto"), "takes a number for --k"),
+])
+def test_cli_server_options_are_checked_before_anything_starts(tmp_path, capsys, argv, match):
+    from tiny_files import tiny_checkpoint
+    tiny_checkpoint(tmp_path / "t")
+    gguf_path = tmp_path / "m.gguf"
+    gguf_path.write_bytes(b"GGUF")
+    argv = [a.format(gguf=gguf_path, missing=tmp_path / "nope.gguf") for a in argv]
+    assert _cli(tmp_path / "t", "--prompt", "abcde", *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
+def test_cli_server_options_need_the_engine(tmp_path, capsys):
+    from helpers import equivalence_cli
+    from tiny_files import tiny_checkpoint
+    tiny_checkpoint(tmp_path / "t")
+    assert equivalence_cli(["--target", str(tmp_path / "t"), "--draft", "prompt-lookup", "--prompt", "abcde",
+                            "--url", "http://127.0.0.1:1"]) == 2
+    assert "go(es) with --engine llama.cpp" in capsys.readouterr().err
+
+
+@needs_server
+def test_cli_real_server_passes_and_refuses_another_model(tiny_pair, tmp_path, capsys):
+    """The command end to end: the target's own GGUF passes; the other tiny model serving is refused by the model
+    check (exit 1, one line), and with the check off its samples fail the test (the negative control)."""
+    gguf_path, target = tiny_pair["target"]
+    other_gguf, _ = tiny_pair["other"]
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    common = ("--prompt", "abcde", "--samples", 300, "--tokens", 3, "--temperature", 0.8, "--top-k", 0,
+              "--power-runs", 0)
+    assert _cli(target_dir, "--server-model", gguf_path, *common, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["settings"]["engine"] == "llama.cpp"
+    assert _cli(target_dir, "--server-model", other_gguf, *common) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "not the same weights" in err[-1]
+    assert _cli(target_dir, "--server-model", other_gguf, *common, "--no-model-check", "--no-reference") == 1
+    assert "FAILED" in capsys.readouterr().out

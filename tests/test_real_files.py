@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_files import TINY, WORDS, gpt2_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir, tokenizer_json
 
 import minispec.checkpoint as ckpt
 from minispec import CheckpointError, ModelConfig, Transformer
 from minispec.checkpoint import minispec_to_hf_name
 from minispec.errors import InputError
 from minispec.tokenizer import Tokenizer, load_tokenizer
+
+from tiny_files import TINY, WORDS, gpt2_vocab, tiny_checkpoint, tiny_gguf, tiny_tokenizer_dir, tokenizer_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
@@ -330,6 +331,7 @@ def test_a_config_claiming_many_layers_is_refused_before_its_name_set_is_built(t
 def _qwen2_gguf(path: Path, skip: tuple[str, ...] = ()) -> Path:
     """A tiny qwen2 GGUF (q/k/v biases), without the tensors named in `skip`."""
     import gguf
+
     from tiny_files import add_metadata
     hd = TINY["dim"] // TINY["n_heads"]
     rng = np.random.default_rng(0)
