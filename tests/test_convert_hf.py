@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from minispec import ModelConfig, Transformer
 from minispec.checkpoint import CheckpointError
+from minispec.hf_export import ExportWarning
 
 import convert_hf
 from convert_hf import ConversionError, convert
@@ -309,7 +310,8 @@ def test_export_of_a_subset_head_draft(tmp_path):
     with torch.no_grad():
         m.head_ids.copy_(torch.tensor([5, 1, 33, 7, 20, 0]))
     m.save_pretrained(tmp_path / "draft")
-    export(tmp_path / "draft", tmp_path / "hf", progress=False)
+    with pytest.warns(ExportWarning, match="6-id subset lm_head"):  # the user is told what the export changes
+        export(tmp_path / "draft", tmp_path / "hf", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     x = torch.tensor([[3, 9, 27, 1]])
     ours, theirs = m(x), hf(x).logits
