@@ -243,6 +243,38 @@ def test_server_flags_and_stop(fake_binary):
     assert _gone(pid) and _port_free(port) and server.proc is None
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_server_ends_when_the_process_that_started_it_is_killed(fake_binary, tmp_path):
+    """kill -9 of the auditing process runs none of its cleanup: the server still goes (PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    binary, model, _ = fake_binary
+    code = (f"import sys, time\nfrom minispec.equivalence.llama_server import LlamaServer\n"
+            f"s = LlamaServer({str(model)!r}, binary={str(binary)!r}, startup_timeout=30).__enter__()\n"
+            f"print(s.proc.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert not _gone(pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        for _ in range(100):  # the signal is delivered at once; the process exits in its own time
+            if _gone(pid) or _zombie(pid):
+                break
+            time.sleep(0.05)
+        assert _gone(pid) or _zombie(pid)
+    finally:
+        parent.kill()
+
+
+def _zombie(pid: int) -> bool:
+    """Exited but not yet reaped (its parent died: init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
 def test_server_stopped_after_an_exception_mid_run(fake_binary):
     binary, model, _ = fake_binary
     with pytest.raises(KeyboardInterrupt):

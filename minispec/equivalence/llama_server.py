@@ -39,8 +39,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -252,8 +254,9 @@ class LlamaServer:
         log = Path(self._logdir.name) / "server.log"
         try:
             with open(log, "wb") as f:
+                # its own session: Ctrl-C reaches us, and we stop it; told to end should we die first (a kill)
                 self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                             start_new_session=True)  # Ctrl-C reaches us, and we stop it
+                                             start_new_session=True, preexec_fn=_end_with_parent(os.getpid()))
         except OSError as e:
             self._logdir.cleanup()
             raise ServerError(f"cannot start {self.binary}: {e.strerror or e}") from None
@@ -283,6 +286,21 @@ class LlamaServer:
         if self._logdir is not None:
             self._logdir.cleanup()
             self._logdir = None
+
+
+def _end_with_parent(parent: int):
+    """A preexec_fn that has Linux send the child SIGTERM when the process that started it dies (however it
+    dies: a kill -9 runs no cleanup of ours); elsewhere nothing (stop() still ends it on every exit we run)."""
+    def arrange() -> None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the request took hold
+            os._exit(1)
+    return arrange if sys.platform.startswith("linux") else None
 
 
 def context_size(prompts: list[list[int]], tokens: int, k: int = 0) -> int:
