@@ -264,6 +264,8 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                    help="--engine llama.cpp: the draft model llama-server speculates with (at most --k tokens)")
     p.add_argument("--url", metavar="URL",
                    help="--engine llama.cpp: a llama-server already running there (nothing started or stopped)")
+    p.add_argument("--server-threads", type=_int_at_least(1), metavar="N",
+                   help="--engine llama.cpp: the CPU threads of the server it starts (default: llama.cpp's own)")
     p.add_argument("--no-model-check", action="store_true",
                    help="--engine llama.cpp: skip the check that the server runs the --target model")
     p.add_argument("--hf-target", metavar="DIR", help="the target as a Hugging Face directory for the transformers "
@@ -321,7 +323,8 @@ def _check_equivalence_options(args) -> None:
                                       ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
                                       ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
                                       ("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                                      ("--url", args.url), ("--no-model-check", args.no_model_check or None))
+                                      ("--url", args.url), ("--server-threads", args.server_threads),
+                                      ("--no-model-check", args.no_model_check or None))
                   if v is not None]
         if args.engine != "minispec":
             given.append("--engine")
@@ -336,7 +339,8 @@ def _check_equivalence_options(args) -> None:
         _check_server_options(args)
         return
     server = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                             ("--url", args.url), ("--no-model-check", args.no_model_check or None)) if v is not None]
+                             ("--url", args.url), ("--server-threads", args.server_threads),
+                             ("--no-model-check", args.no_model_check or None)) if v is not None]
     if server:
         raise UsageError(f"{', '.join(server)} go(es) with --engine {LLAMA_CPP}")
     if args.engine == "minispec" and args.draft is None:
@@ -361,8 +365,9 @@ def _check_server_options(args) -> None:
     if (args.server_model is None) == (args.url is None):
         raise UsageError(f"--engine {LLAMA_CPP} needs --server-model FILE.gguf (a server started here) or --url URL "
                          "(one already running), not both")
-    if args.url is not None and args.server_draft is not None:
-        raise UsageError("--server-draft starts a server with a draft; a server at --url runs with its own settings")
+    if args.url is not None and (args.server_draft is not None or args.server_threads is not None):
+        raise UsageError("--server-draft and --server-threads start a server; a server at --url runs with its own "
+                         "settings")
     for path in (args.server_model, args.server_draft):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{path} is not a file (--server-model / --server-draft take GGUF files)")
@@ -384,7 +389,7 @@ def _server_samples(args, target, prompts: list[list[int]]):
     if args.url is not None:
         return server_samples(target, ServerClient(args.url), prompts, **kw)
     k = args.k if args.server_draft is not None else 0
-    with LlamaServer(args.server_model, args.server_draft, k=args.k,
+    with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
                      ctx_size=context_size(prompts, args.tokens, k)) as server:
         return server_samples(target, server.client, prompts, settings=server.settings, **kw)
 
