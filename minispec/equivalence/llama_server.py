@@ -254,7 +254,7 @@ class LlamaServer:
         log = Path(self._logdir.name) / "server.log"
         try:
             with open(log, "wb") as f:
-                # its own session: Ctrl-C reaches us, and we stop it; told to end should we die first (a kill)
+                # a process group of its own: Ctrl-C reaches us, and we stop it; told to end if we die first
                 self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                              start_new_session=True, preexec_fn=_end_with_parent(os.getpid()))
         except OSError as e:
