@@ -139,15 +139,22 @@ class ThreadTuner:
         caller = self.get_threads()
         self.set_ceiling(self.max_threads or caller)
         n = self.choose(kind)
-        if n != caller:
-            self.set_threads(n)
-        try:
+        with at_threads(n, caller, self.set_threads):
             t0 = self.clock()
             yield n
             self.record(kind, n, self.clock() - t0)
-        finally:
-            if n != caller:
-                self.set_threads(caller)
+
+
+@contextmanager
+def at_threads(n: int, caller: int, set_threads=torch.set_num_threads):
+    """Run the block at n threads and set the caller's count back however it ends."""
+    if n != caller:
+        set_threads(n)
+    try:
+        yield n
+    finally:
+        if n != caller:
+            set_threads(caller)
 
 
 def idle_seconds(path: str = "/proc/stat"):
@@ -216,11 +223,5 @@ def tuned(kind: tuple, device: torch.device):
         with TUNER.step(kind) as n:
             yield n
         return
-    caller = torch.get_num_threads()
-    if fixed != caller:
-        torch.set_num_threads(fixed)
-    try:
+    with at_threads(fixed, torch.get_num_threads()):
         yield fixed
-    finally:
-        if fixed != caller:
-            torch.set_num_threads(caller)
