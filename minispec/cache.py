@@ -81,6 +81,12 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # (B, 1, T, L) bool: query t may attend key j (causal and within the length);
     # None when every query may attend every key it reads (one new token per sequence, equal lengths)
 
+    def row_ends(self) -> list[list[int]]:
+        """How many keys each query row attends (its position + 1; 0 for padding), as lists: made once a pass."""
+        if not hasattr(self, "_row_ends"):
+            self._row_ends = torch.where(self.valid, self.positions + 1, 0).tolist()
+        return self._row_ends
+
 
 class PagedKVCache:
     """K/V pools for every layer, and the block tables of the sequences that use them."""

@@ -42,9 +42,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import quantized
 from .config import ModelConfig
 from .errors import InputError
-from .kernels import Int4Weight, int4_supported
+from .kernels import int4_supported
 from .tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401 (TOKENIZER_FILES: the converters' import)
 
 WEIGHTS_NAME = "model.safetensors"
@@ -171,7 +172,11 @@ def limit_to_tokenizer(cfg: ModelConfig, tokenizer) -> ModelConfig:
 def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, int4: bool | None = None):
     """A checkpoint directory as a model on `device` (default the CPU), in `dtype` (default as stored).
     int4: the products in int4 (Transformer.to_int4), True or False; None = as config.json's int4 says, on a CPU
-    with the kernel (elsewhere the stored dtype). An int4 model computes its activations in fp32."""
+    with the kernel (elsewhere the stored dtype). An int4 model computes its activations in fp32.
+
+    A checkpoint that keeps a GGUF's quantization (minispec.quantized) computes in that form on a CPU with the
+    kernels (int4 None or True, dtype None or float32); otherwise (another device, int4=False, another dtype)
+    its weights are dequantized to `dtype` (default float32)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory (config.json, model.safetensors, ...)")
@@ -191,11 +196,14 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
             names = list(f.keys())
             shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
             dtypes = {n: f.get_slice(n).get_dtype() for n in names}
+            shapes, kept = quantized.split_kept(shapes, dtypes, str(wfile))  # a kept matrix under its own name
             check_state_dict(shapes, expected_tensors(cls, cfg, shapes, str(wfile)), str(wfile))
-            check_dtypes(dtypes, str(wfile))
+            check_dtypes({n: dt for n, dt in dtypes.items() if n in shapes}, str(wfile))
             state = {n: f.get_tensor(n) for n in names}
     except CheckpointError:
         raise
+    except quantized.QuantizedCheckpointError as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # truncated or corrupt file: safetensors' own error, with the file named
         raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
                               "the file may be truncated or corrupt: re-create or re-download it") from None
@@ -205,19 +213,32 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg, str(path))
         limit_to_tokenizer(cfg, tokenizer)
+    packed = bool(kept) and int4 is not False and dtype in (None, torch.float32) and int4_supported(device or "cpu")
+    if kept and int4 and not packed:
+        raise ValueError("a kept quantization computes as stored only on a CPU with PyTorch's int4 kernel, in "
+                         f"float32 activations (device {device or 'cpu'}, dtype {dtype}); pass int4=False to "
+                         "dequantize it")
     if int4 is None:
-        int4 = cfg.int4 and dtype in (None, torch.float32) and int4_supported(device or "cpu")
+        int4 = cfg.int4 and not kept and dtype in (None, torch.float32) and int4_supported(device or "cpu")
     if int4 and dtype not in (None, torch.float32):
         raise ValueError(f"an int4 model computes its activations in float32, not {dtype}")
+    parts = {f"{name}.{suffix}": state.pop(f"{name}.{suffix}") for name, form in kept.items()
+             for suffix, _, _ in quantized.FORMS[form]}
+    if kept and not packed:
+        state.update(quantized.dequantized(kept, parts))
     if dtype is None:
-        dtype = torch.float32 if int4 else WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
+        dtype = torch.float32 if int4 or kept else WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
     with torch.device("meta"):  # checked against the file: a model of the file's size, no memory yet
         model = cls(cfg)
+    if packed:
+        quantized.install(model, kept, parts)
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
     model.init_rope()  # the RoPE tables were made on the meta device: make them real (they grow with use)
     model.config.int4 = False  # set again by to_int4
     model = model.to(device=device or "cpu", dtype=None if int4 else dtype)  # int4: each matrix in fp32 only in turn
-    if int4:
+    if packed:
+        quantized.rows_alike(model)
+    elif int4:
         model.to_int4()
     model.tokenizer = tokenizer
     return model
@@ -248,10 +269,10 @@ def save_pretrained(model, path, dtype: torch.dtype | None = None, overwrite: bo
     Other files in `path` are kept; a checkpoint's own files there are replaced as a set (atomic_output_dir).
     overwrite=False refuses a `path` that is not empty.
     """
-    if getattr(model, "head_int4", None) is not None or any(isinstance(getattr(m, "weight", None), Int4Weight)
-                                                           for m in model.modules()):
-        raise ValueError("an int4 model is not saved: save the float checkpoint it came from, with int4 set in "
-                         "its config.json (tools/convert_gguf.py --int4)")
+    if quantized.is_packed(model):
+        raise ValueError("a model with packed weights (int4 products or a GGUF's kept quantization) is not saved: "
+                         "save the float checkpoint it came from, with int4 set in its config.json "
+                         "(tools/convert_gguf.py --int4), or convert its GGUF again (--keep-quant)")
     state = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
              .contiguous() for k, v in model.state_dict().items()}
     with atomic_output_dir(path, overwrite=overwrite) as tmp:

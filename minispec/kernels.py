@@ -149,10 +149,10 @@ def _one_row_as_two(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     return F.linear(x.reshape(1, -1).repeat(2, 1), w, b)[:1].view(*x.shape[:-1], -1)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b, by the path this CPU runs fastest (see the module's docstring); `F.linear` when the
-    switch is off, off the CPU or under autograd. An Int4Weight always takes its int4 kernel."""
-    if isinstance(w, Int4Weight):
+    switch is off, off the CPU or under autograd. A PackedWeight always computes its own product."""
+    if isinstance(w, PackedWeight):
         return w(x, b)
     if not enabled() or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)  # on the weights directly: an nn.Linear module call costs more, in every product
@@ -167,36 +167,118 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, b: torch.Tensor | None
     return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
 
 
-class Int4Weight:
-    """A weight matrix in int4 for a draft on a CPU: groups of 32 inputs per row, each with its own scale and
-    offset, packed for PyTorch's int4 weight-only product (`_weight_int4pack_mm_for_cpu`, bf16 activations,
-    unpacked in the kernel). An eighth of fp32's bytes, so a decode step, which reads every weight once, costs
-    far less. Not exact, and it need not be: a draft only proposes (the output stays the target's)."""
+class PackedWeight:
+    """A weight matrix in a form `F.linear` cannot take, which computes its own product: `w(x, b)` is
+    x @ w.T + b, each row of x computed alone (a row's result does not depend on the others)."""
 
-    GROUP = 32
-    __slots__ = ("packed", "scales", "shape")
-
-    def __init__(self, w: torch.Tensor):
-        w = w.detach().float()
-        n, k = self.shape = tuple(w.shape)
-        g = w.reshape(n, k // self.GROUP, self.GROUP)
-        lo, hi = torch.aminmax(g, dim=-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-12)
-        q = (g - lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        # the kernel's weight is (q - 8) * scale + zero, scales and zeros (k / GROUP, n, 2)
-        self.scales = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
-
-    @classmethod
-    def fits(cls, w: torch.Tensor) -> bool:
-        """The kernel's shapes: output rows a multiple of 16, inputs of the group."""
-        return w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % cls.GROUP == 0
+    __slots__ = ("shape",)
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed,
-                                                        self.GROUP, self.scales)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.product(rows).to(x.dtype).view(*x.shape[:-1], self.shape[0])
         return out if b is None else out + b
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def int4_groups(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float matrix (N, K) quantized to 4 bits in groups of `group` inputs: q (N, K) uint8 in 0..15, scale and
+    offset (N, K / group) with the weight ~ scale * q + offset (each group's range in 15 even steps)."""
+    w = w.detach().float()
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = torch.aminmax(g, dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = (g - lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale, lo
+
+
+class Int4Weight(PackedWeight):
+    """A weight matrix in int4: groups of 32 inputs per row, each with its own scale and offset (the weight is
+    scale * q + offset, q in 0..15), packed for PyTorch's int4 weight-only product (`_weight_int4pack_mm_for_cpu`,
+    bf16 activations, scales and offsets, unpacked in the kernel). An eighth of fp32's bytes, so a decode step,
+    which reads every weight once, costs far less. `Int4Weight(w)` quantizes a float matrix (a draft's fast form:
+    not exact, and it need not be, a draft only proposes); `from_groups` takes a file's own integers and scales
+    (minispec.quantized)."""
+
+    GROUP = 32
+    CHUNK = 4096  # rows packed at a time (a multiple of the kernel's 64-row tiles): a bounded int32 temporary
+    __slots__ = ("packed", "scales")
+
+    def __init__(self, w: torch.Tensor):
+        self._set(*int4_groups(w, self.GROUP))
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Weight:
+        """q (N, K) in 0..15, scale and offset (N, K/32): the weight scale * q + offset."""
+        self = cls.__new__(cls)
+        self._set(q, scale.float(), offset.float())
+        return self
+
+    def _set(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        self.shape = tuple(q.shape)
+        # the packing reads its input as contiguous whatever its strides: a row-permuted q must be copied
+        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + self.CHUNK].to(
+            torch.int32).contiguous(), 2) for i in range(0, q.shape[0], self.CHUNK)])
+        # the kernel's weight is (q - 8) * scale + zero, scales and zeros (k / GROUP, n, 2)
+        self.scales = torch.stack((scale, offset + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
+
+    @classmethod
+    def fits(cls, shape) -> bool:
+        """The kernel's shapes (a matrix's or its shape): output rows a multiple of 16, inputs of the group."""
+        shape = getattr(shape, "shape", shape)
+        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % cls.GROUP == 0
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.bfloat16(), self.packed, self.GROUP, self.scales)
+
+
+class Int8Weight(PackedWeight):
+    """A weight matrix in int8 with one scale a row (the weight is scale * q), multiplied by PyTorch's int8
+    weight-only product (`_weight_int8pack_mm`, bf16 activations and scales): a quarter of fp32's bytes."""
+
+    __slots__ = ("q", "scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.shape = tuple(q.shape)
+        # a copy: the kernel's vector loads fault on a tensor at an unaligned address (as a file's tensors may be)
+        self.q, self.scale = q.to(torch.int8, copy=True, memory_format=torch.contiguous_format), scale.bfloat16()
+
+    @classmethod
+    def fits(cls, shape) -> bool:
+        return len(shape) == 2
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows.bfloat16(), self.q, self.scale)
+
+
+class RowWise(PackedWeight):
+    """A float matrix multiplied one row at a time, each row exactly the product a one-row pass makes (for a
+    matrix of a shape the packed kernels do not take, in a model whose passes must agree row by row)."""
+
+    __slots__ = ("w",)
+
+    def __init__(self, w: torch.Tensor):
+        self.shape, self.w = tuple(w.shape), w
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(self.w.dtype)
+        return torch.cat([F.linear(rows[i:i + 1], self.w) for i in range(rows.shape[0])])
+
+
+class Stacked(PackedWeight):
+    """Several matrices over the same input as one product: their outputs side by side (q, k and v kept in
+    different forms)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[PackedWeight]):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.product(rows).to(rows.dtype) for p in self.parts], dim=-1)
 
 
 def int4_supported(device: torch.device | str) -> bool:
@@ -223,13 +305,33 @@ def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> t
                       for t in range(T)], dim=2)
 
 
-def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_kv_heads: int) -> torch.Tensor:
+def each_row_alone(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int, ends: list[list[int]]) -> torch.Tensor:
+    """A batch's attention with each query row of each sequence as its own call over its own keys, the call a
+    one-sequence decode step makes for that position: ends[b][t] keys for row t of sequence b (0: padding, left
+    zero). Batched, SDPA's result for a row depends on the other sequences' lengths (the padding it masks)."""
+    Hkv, out = n_kv_heads, q.new_zeros(q.shape)
+    for b, row_ends in enumerate(ends):
+        for t, n in enumerate(row_ends):
+            if n:
+                out[b:b + 1, :, t:t + 1] = F.scaled_dot_product_attention(
+                    q[b:b + 1, :, t:t + 1], ctx[b:b + 1, :Hkv, :n], ctx[b:b + 1, Hkv:, :n],
+                    enable_gqa=q.shape[1] != Hkv)
+    return out
+
+
+def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_kv_heads: int,
+              ends: list[list[int]] | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v for q (B, H, T, D) over ctx (B, 2*Hkv, L, D) (keys in the first Hkv
-    rows, values in the rest; mask additive, (B, 1, T, L), or None). Row by row for a bf16 CPU pass over
-    several tokens of one sequence (`row_wise_attention`), else one SDPA call."""
+    rows, values in the rest; mask additive, (B, 1, T, L), or None). On a CPU: a bf16 pass over several tokens
+    of one sequence row by row (`row_wise_attention`); given `ends` (each row's key count, from a model whose
+    passes must agree row by row: minispec.quantized), a batch's rows each alone (`each_row_alone`); else one
+    SDPA call."""
     B, H, T = q.shape[:3]
-    if B == 1 and T > 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and enabled():
-        return row_wise_attention(q, ctx, n_kv_heads)
+    if q.device.type == "cpu" and enabled():
+        if ends is not None and B > 1:
+            return each_row_alone(q, ctx, n_kv_heads, ends)
+        if B == 1 and T > 1 and (q.dtype == torch.bfloat16 or ends is not None):
+            return row_wise_attention(q, ctx, n_kv_heads)
     return F.scaled_dot_product_attention(q, ctx[:, :n_kv_heads], ctx[:, n_kv_heads:], attn_mask=mask,
                                           enable_gqa=H != n_kv_heads)
 
@@ -245,10 +347,12 @@ def _rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return torch.mul(x, weight).mul_((float(torch.dot(v, v)) / v.shape[0] + eps) ** -0.5)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, same_rows: bool = False) -> torch.Tensor:
     """weight * x * rsqrt(mean(x^2) + eps) over the last axis, normalised in fp32 as Hugging Face does and
-    cast back before the scale (F.rms_norm is more kernels on a CPU, no faster)."""
-    if x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and enabled():
+    cast back before the scale (F.rms_norm is more kernels on a CPU, no faster). same_rows: no one-row
+    shortcut, so a row comes out the same alone or among others."""
+    if (x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and enabled()
+            and not same_rows):
         return _rms_norm_row(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps))

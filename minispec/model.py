@@ -27,7 +27,7 @@ from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
 from .generate import generate
-from .kernels import Int4Weight, int4_supported
+from .kernels import Int4Weight, PackedWeight, int4_supported
 from .speculative import speculate
 from .threads import tuned
 
@@ -39,9 +39,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.same_rows = False  # a row normalised alike alone or among others (a quantized model's exactness)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps, self.same_rows)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -116,6 +117,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (H + 2 * Hkv) * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
         fuse_projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [H * D, Hkv * D, Hkv * D])
+        self.same_rows = False  # each query row attended alone (a quantized model's exactness: kernels.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pool: torch.Tensor | None, meta: AttentionMetadata | None) -> torch.Tensor:
@@ -140,7 +142,7 @@ class Attention(nn.Module):
                 pool[meta.write_slots] = kv[:, 0] if T == 1 else kv[meta.valid]
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
-            out = kernels.attention(q, ctx, meta.mask, Hkv)
+            out = kernels.attention(q, ctx, meta.mask, Hkv, meta.row_ends() if self.same_rows else None)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return kernels.linear(out, self.o_proj.weight)
 
@@ -189,7 +191,8 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, head, bias=False)
         # a subset head scores only head_ids; every other token gets probability 0, which keeps speculation exact
         self.register_buffer("head_ids", torch.arange(head) if cfg.head_vocab_size else None)
-        self.head_int4: Int4Weight | None = None  # a tied head's int4 form (to_int4); the embedding stays float
+        # a tied head's packed form (to_int4, or a kept quantization: minispec.quantized); the lookup keeps its own
+        self.head_packed: PackedWeight | None = None
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -204,12 +207,14 @@ class Transformer(nn.Module):
             raise ValueError(f"int4 products need PyTorch's CPU int4 kernel; this model is on {self.device}")
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, nn.Linear)]
         for m in linears + ([self.lm_head] if self.lm_head is not None else []):
-            if isinstance(m.weight, torch.Tensor) and Int4Weight.fits(m.weight):
+            if isinstance(m.weight, torch.Tensor) and Int4Weight.fits(m.weight.shape):
                 w = m.weight
                 del m.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
                 m.weight = Int4Weight(w)
-        if self.lm_head is None and Int4Weight.fits(self.embed_tokens.weight):  # tied: the lookup stays float
-            self.head_int4 = Int4Weight(self.embed_tokens.weight)
+        embedding = getattr(self.embed_tokens, "weight", None)
+        if self.lm_head is None and self.head_packed is None and isinstance(embedding, torch.Tensor) and \
+                Int4Weight.fits(embedding.shape):  # tied: the lookup stays float
+            self.head_packed = Int4Weight(embedding)
         self.config.int4 = True
         return self.to(torch.float32)
 
@@ -248,11 +253,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device  # the final norm: a float parameter in every form of the model
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def _rope(self, positions: torch.Tensor, end: int | None = None):
         # positions: (B, T) -> cos, sin: (B, T, 1, D) in the activations' dtype. end: a bound on the
@@ -276,8 +281,8 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        out = kernels.linear(h, w if self.head_int4 is None else self.head_int4)
+        w = self.head_packed or (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        out = kernels.linear(h, w)
         if self.head_ids is not None:  # a subset head: every other id gets -inf
             out = h.new_full((*h.shape[:-1], self.config.vocab_size), float("-inf")).index_copy_(-1, self.head_ids, out)
         if (n := self.config.sampled_vocab_size) is not None:
@@ -329,7 +334,7 @@ class Transformer(nn.Module):
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
-        kind = (self.config.dim, self.config.n_layers, self.config.int4, len(seqs), T)
+        kind = (self.config.dim, self.config.n_layers, self.config.int4, self.norm.same_rows, len(seqs), T)
         with tuned(kind, self.device), kernels.resolved():
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:

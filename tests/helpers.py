@@ -76,6 +76,27 @@ def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = 
     return m
 
 
+def kept_int4(model: Transformer, path: Path) -> Transformer:
+    """`model` with every matrix the int4 kernel takes stored in the kept int4 form (minispec.quantized: groups of
+    32, each group's range in 15 steps) at `path`, loaded back: an int4 target computed as a GGUF's would be."""
+    from safetensors.torch import save_file
+
+    from minispec.kernels import Int4Weight, int4_groups
+    from minispec.quantized import pack_q4
+
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".weight") and t.dim() == 2 and Int4Weight.fits(t.shape):
+            q, scale, lo = int4_groups(t)
+            tensors.update({f"{name}.q4": pack_q4(q), f"{name}.q4_scale": scale, f"{name}.q4_min": -lo})
+        else:
+            tensors[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save(str(path / "config.json"))
+    save_file(tensors, str(path / "model.safetensors"))
+    return Transformer.from_pretrained(path)
+
+
 def tiny_pair() -> tuple[Transformer, Transformer]:
     """The equivalence tests' draft/target pair: a 3-layer peaked target over 32 tokens and its first layer as the
     draft (acceptance about 0.2 at temperature 0.7: many rejections, some acceptances)."""

@@ -152,7 +152,7 @@ def test_an_int4_model_stays_close_and_drafts_exactly(tmp_path):
     target.save_pretrained(tmp_path / "d")
     target.config.int4 = False
     draft = Transformer.from_pretrained(tmp_path / "d")
-    assert draft.config.int4 and draft.dtype == torch.float32 and draft.head_int4 is not None
+    assert draft.config.int4 and draft.dtype == torch.float32 and draft.head_packed is not None
     assert not any(p.dim() == 2 for n, p in draft.named_parameters() if n != "embed_tokens.weight")
     got = draft(tok)
     assert not torch.equal(got, ref) and (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8

@@ -19,7 +19,7 @@ from minispec import SamplingParams, Transformer
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
-from helpers import peaked_model
+from helpers import kept_int4, peaked_model
 from helpers import truncated as shared_truncated
 
 V = 8  # vocabulary: V**3 = 512 possible continuations of 3 tokens
@@ -36,10 +36,13 @@ def truncated(target: Transformer, n_layers: int = 1, logit_scale: float = 1.0) 
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(tmp_path_factory):
     torch.set_num_threads(1)
     target = peaked_model(0, V)  # mean entropy ~1.2 nats (uniform: ln 8 = 2.08), argmax depends on the context
     return {
+        # the target's matrices in int4 groups, computed by the int4 kernel as a kept GGUF's are (the head,
+        # of 8 rows, is a shape the kernel does not take: multiplied row by row in fp32)
+        "int4-target": kept_int4(target, tmp_path_factory.mktemp("int4") / "target"),
         "target": target,  # draft == target: every draft is accepted
         "truncated": truncated(target),  # acceptance ~0.5-0.7
         "truncated-peaked": truncated(target, logit_scale=4.0),  # near-deterministic draft
@@ -94,9 +97,9 @@ def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
 
 
 def run(models, draft, k, temperature, top_k=None, top_p=None, sampler="exact", prompt=PROMPT, n_new=3,
-        stops=(), n=N, seed=1234):
+        stops=(), n=N, seed=1234, target="target"):
     """p-value of one batched speculate run against the enumerated target distribution; also the stats."""
-    target = models["target"]
+    target = models[target]
     drafter = models[draft] if draft in models else draft
     if k == "adaptive":  # fixed costs, so the k's chosen (and the test) are deterministic; k per round
         k = AdaptiveK(k_max=3, cost_ratio=0.1, k_start=1)
@@ -153,6 +156,25 @@ NEGATIVE = [  # (sampler, draft, k, temperature, top_k): settings where the bug 
 def test_broken_samplers_are_rejected(models, sampler, draft, k, temperature, top_k):
     p_exact, _ = run(models, draft, k, temperature, top_k)
     p_broken, _ = run(models, draft, k, temperature, top_k, sampler=sampler)
+    assert p_exact > 1e-4, f"the exact sampler fails these settings: p = {p_exact:.3g}"
+    assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
+
+
+# an int4 target (a GGUF's kept quantization), drafted by its own float original and by an unrelated model
+INT4 = [("target", 2, 1.0, None, None), ("small", 3, 0.7, 4, 0.9)]
+
+
+@pytest.mark.parametrize("draft,k,temperature,top_k,top_p", INT4)
+def test_an_int4_target_is_exact(models, draft, k, temperature, top_k, top_p):
+    p, stats = run(models, draft, k, temperature, top_k, top_p, target="int4-target")
+    assert stats.drafted > 0 and 0 < stats.acceptance_rate < 1
+    assert p > 1e-4, f"speculate's distribution differs from the int4 target's: chi-square p = {p:.3g}"
+
+
+@pytest.mark.parametrize("sampler,draft,k,temperature,top_k", [NEGATIVE[1], NEGATIVE[3]])
+def test_broken_samplers_are_rejected_with_an_int4_target(models, sampler, draft, k, temperature, top_k):
+    p_exact, _ = run(models, draft, k, temperature, top_k, target="int4-target")
+    p_broken, _ = run(models, draft, k, temperature, top_k, sampler=sampler, target="int4-target")
     assert p_exact > 1e-4, f"the exact sampler fails these settings: p = {p_exact:.3g}"
     assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
 

@@ -1,10 +1,14 @@
 """Convert a llama- or qwen2-architecture GGUF file into a minispec checkpoint directory.
 
-    python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--int4] [--overwrite]
+    python tools/convert_gguf.py FILE.gguf DST_DIR [--dtype float32|bfloat16|float16] [--int4 | --keep-quant]
+        [--overwrite]
 
 What a GGUF holds and what becomes of it:
 - tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants) are dequantized
-  with `gguf.quants.dequantize` and stored in model.safetensors at --dtype;
+  with `gguf.quants.dequantize` and stored in model.safetensors at --dtype; with --keep-quant each
+  quantized matrix keeps the file's quantization instead (minispec.quantized): Q4_K's own 4-bit values,
+  scales and mins as int4 groups, exactly; any other quantized type as int8 rows requantized from its
+  dequantized values (how far each is from the file: the table it prints, and docs/design.md);
 - for llama, llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE, which
   rotates adjacent pairs, matches Hugging Face's rotate-half RoPE; we undo that permutation per
   head (K with n_kv_heads heads: grouped-query attention). For qwen2 it permutes nothing (its
@@ -33,6 +37,7 @@ one is complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -48,11 +53,12 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     gguf = None
 
-from minispec import protobuf
+from minispec import protobuf, quantized
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_output_dir, check_state_dict, expected_tensors
 from minispec.config import MAX_COUNT, ModelConfig
 from minispec.errors import InputError, show
 from minispec.model import Transformer
+from minispec.safetensors_writer import ST_DTYPE, TORCH_DTYPE
 
 from _common import (
     DTYPES,
@@ -548,14 +554,66 @@ def load_tensor(t, name: str, cfg: ModelConfig, permuted: bool = True) -> torch.
     return w
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+class KeptTensor:
+    """One quantized GGUF matrix in a kept form (`quantized.FORMS`): its parts made once, when the first is
+    written (the parts are written one after another), and its distance from the file's values recorded."""
+
+    def __init__(self, t, name: str, cfg: ModelConfig, permuted: bool, errors: dict):
+        self.t, self.name, self.cfg, self.permuted, self.errors = t, name, cfg, permuted, errors
+        self.shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        self.form = "q4" if t.tensor_type.name == "Q4_K" else "q8"
+        self.parts: dict[str, torch.Tensor] | None = None
+
+    def entries(self) -> list[TensorEntry]:
+        n, k = self.shape
+        return [TensorEntry(f"{self.name}.{suffix}", shape(n, k), TORCH_DTYPE[dtype],
+                            functools.partial(self.part, suffix))
+                for suffix, dtype, shape in quantized.FORMS[self.form]]
+
+    def part(self, suffix: str) -> torch.Tensor:
+        if self.parts is None:
+            exact = load_tensor(self.t, self.name, self.cfg, self.permuted)  # the file's values, as gguf dequantizes
+            if self.form == "q4":
+                raw = torch.from_numpy(np.array(self.t.data, dtype=np.uint8).reshape(-1))  # a writable copy
+                self.parts = quantized.q4_k_groups(raw, *self.shape)
+                if self.permuted and self.name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = self.cfg.n_heads if "q_proj" in self.name else self.cfg.n_kv_heads
+                    self.parts = {s: unpermute_rope_rows(p, heads) for s, p in self.parts.items()}
+            else:
+                self.parts = quantized.int8_rows(exact)
+            stored = quantized.dequantize(self.form, self.parts)
+            computed = quantized.computed_values(self.form, self.parts)
+            worst = self.errors.setdefault(self.t.tensor_type.name, [self.form, 0.0, 0.0, 0.0])
+            worst[1:] = [max(worst[1], float((stored - exact).abs().max())),
+                         max(worst[2], float((computed - exact).abs().max())), max(worst[3], float(exact.abs().max()))]
+        part = self.parts[suffix]
+        if suffix == quantized.FORMS[self.form][-1][0]:
+            self.parts = None  # the last part: the next matrix's turn
+        return part
+
+
+def error_table(errors: dict) -> str:
+    """The kept forms' distance from the file's dequantized values, one line per GGUF type."""
+    lines = ["type   form  max |stored - file|  max |computed - file|  max |file|"]
+    for name, (form, stored, computed, peak) in sorted(errors.items()):
+        lines.append(f"{name:<6} {form:<5} {stored:>18.3g}  {computed:>21.3g}  {peak:>10.3g}")
+    return "\n".join(lines)
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", overwrite: bool = False,
-            progress: bool = True, int4: bool = False) -> ModelConfig:
+            progress: bool = True, int4: bool = False, keep_quant: bool = False,
+            errors: dict | None = None) -> ModelConfig:
     """Convert the GGUF file `src` into the minispec checkpoint directory `dst`; return its config.
 
     Everything that can be checked without dequantizing (architecture, metadata, tokenizer,
     tensor names, shapes and types) is checked first; then the tensors are dequantized and
     written one at a time, so the peak memory is one tensor, not the model. int4: config.json records that
-    a CPU loads the products in int4 (a draft's fast form; the stored weights stay at `dtype`).
+    a CPU loads the products in int4 (a draft's fast form; the stored weights stay at `dtype`). keep_quant:
+    quantized matrices keep the file's quantization (`KeptTensor`); `errors`, when given, receives each
+    GGUF type's [form, max |stored - file|, max |computed - file|, max |file|].
     """
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
@@ -569,17 +627,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     check_metadata(meta, shapes, str(src))
     cfg = config_from_metadata(meta, shapes, str(src))
+    if int4 and keep_quant:
+        raise ConversionError("--int4 and --keep-quant are two different forms: choose one")
     cfg.int4 = int4
+    errors = {} if errors is None else errors
     tok_files = tokenizer_files(meta)
     permuted = ROPE_PERMUTED[meta["general.architecture"]]
     entries = []
     for t in reader.tensors:
         check_tensor_type(t)
         name = gguf_to_minispec_name(t.name)
-        entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
-                                   lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
+        if keep_quant and t.tensor_type.name not in FLOAT_TYPES and len(shapes[t.name]) == 2:
+            entries += KeptTensor(t, name, cfg, permuted, errors).entries()
+        else:
+            entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
+                                       lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
     try:
-        got = {e.name: e.shape for e in entries}
+        got, _ = quantized.split_kept({e.name: e.shape for e in entries},
+                                      {e.name: ST_DTYPE[e.dtype] for e in entries}, str(src))
         check_state_dict(got, expected_tensors(Transformer, cfg, got, str(src)), str(src))  # layers counted first
     except InputError as e:
         raise ConversionError(str(e)) from None
@@ -601,13 +666,18 @@ def main(argv=None) -> int:
                        dtype_help="dtype of the stored weights (default float32)")
     args.add_argument("--int4", action="store_true",
                       help="record in config.json that a CPU loads the products in int4: a draft's fast form")
+    args.add_argument("--keep-quant", action="store_true",
+                      help="keep each quantized matrix's own quantization (Q4_K as int4 groups, exactly; other "
+                           "types as int8 rows): a CPU computes it as stored; --dtype applies to the float tensors")
     args = args.parse_args(argv)
 
     def job() -> str:
+        errors = {}
         cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet,
-                      int4=args.int4)
+                      int4=args.int4, keep_quant=args.keep_quant, errors=errors)
+        form = " (int4 products on a CPU)" if args.int4 else " (quantization kept)" if args.keep_quant else ""
         return (f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-                f"vocab {cfg.vocab_size}, {args.dtype}" + (" (int4 products on a CPU)" if args.int4 else ""))
+                f"vocab {cfg.vocab_size}, {args.dtype}{form}" + (f"\n{error_table(errors)}" if errors else ""))
     return run_tool(job)
 
 

@@ -1,0 +1,243 @@
+"""A GGUF file's quantized weights kept as shipped: the stored forms, their checks, and the model they make.
+
+`tools/convert_gguf.py --keep-quant` stores each quantized matrix of a GGUF in one of two forms,
+as a few tensors under the matrix's own name (NAME = e.g. `layers.0.mlp.up_proj.weight`):
+
+- **int4 groups** (`q4`): `NAME.q4` uint8 (N, K/2), two 4-bit values q a byte (input 2i in the low
+  nibble, 2i+1 in the high), `NAME.q4_scale` and `NAME.q4_min` float32 (N, K/32): the weight is
+  `scale * q - min` over each group of 32 inputs. This is Q4_K exactly: its super-blocks of 256 hold 8
+  sub-blocks of 32, each with a 6-bit scale and min times the block's fp16 d and dmin, products float32
+  holds without rounding.
+- **int8 rows** (`q8`): `NAME.q8` int8 (N, K), `NAME.q8_scale` float32 (N,): the weight is `scale * q`,
+  the scale a bf16 value. What every other quantized type becomes (Q6_K, Q5_0, Q8_0, ...): requantized
+  from the file's dequantized values, |error| <= scale / 2 a row (docs/design.md, "Quantized targets",
+  says why and how far that is from the file).
+
+On a CPU with PyTorch's int4 kernel these compute as stored (`install`): an int4 matrix through
+`kernels.Int4Weight`, an int8 one through `kernels.Int8Weight`, the embedding rows dequantized when
+looked up (`KeptEmbedding`). Elsewhere, or when asked, they are dequantized to float (`dequantize`).
+Either way every product gives a row the same bits whatever the other rows of the pass (the kernels'
+rows are independent; a matrix the kernels cannot take is multiplied row by row), and the model's norms
+and attention are set to do the same (`same_rows`), so a verify pass computes exactly what decode
+steps do: greedy speculation equals greedy generation, as with the bf16 target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .errors import InputError
+from .kernels import Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked
+
+GROUP = 32  # inputs per int4 group (Q4_K's sub-block)
+
+# form -> its tensors: (suffix, safetensors dtype, shape from the matrix's (N, K))
+FORMS = {
+    "q4": (("q4", "U8", lambda n, k: (n, k // 2)), ("q4_scale", "F32", lambda n, k: (n, k // GROUP)),
+           ("q4_min", "F32", lambda n, k: (n, k // GROUP))),
+    "q8": (("q8", "I8", lambda n, k: (n, k)), ("q8_scale", "F32", lambda n, k: (n,))),
+}
+_SUFFIX = {suffix: form for form, parts in FORMS.items() for suffix, _, _ in parts}
+
+
+class QuantizedCheckpointError(InputError):
+    """A checkpoint's kept-quantization tensors are incomplete or of the wrong size, type or shape."""
+
+
+def matrix_shape(form: str, parts: dict[str, tuple[int, ...]], name: str, source: str) -> tuple[int, int]:
+    """The (N, K) matrix a kept form's tensor shapes describe; every part checked against it."""
+    first = parts[FORMS[form][0][0]]
+    if len(first) != 2 or first[0] < 1 or first[1] < 1:
+        raise QuantizedCheckpointError(f"{source}: {name}.{FORMS[form][0][0]} has shape {first}; a kept matrix "
+                                       "is 2-D and non-empty")
+    n, k = first[0], first[1] * (2 if form == "q4" else 1)
+    if form == "q4" and k % GROUP:
+        raise QuantizedCheckpointError(f"{source}: {name}.q4 holds {k} inputs a row, not a multiple of {GROUP}")
+    for suffix, _, shape in FORMS[form]:
+        if parts[suffix] != shape(n, k):
+            raise QuantizedCheckpointError(f"{source}: {name}.{suffix} has shape {parts[suffix]}, expected "
+                                           f"{shape(n, k)} for a {n} x {k} matrix")
+    return n, k
+
+
+def split_kept(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], source: str
+               ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """A file's tensors as the model's: (every name -> shape, a kept matrix under its own name with its
+    (N, K)), and kept matrix name -> form. Incomplete sets, wrong dtypes and inconsistent shapes are
+    refused, before anything is read or built."""
+    plain, groups = {}, {}
+    for name, shape in shapes.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in _SUFFIX and base.endswith(".weight"):
+            groups.setdefault(base, {})[suffix] = shape
+        else:
+            plain[name] = shape
+    kept = {}
+    for base, parts in groups.items():
+        form = _SUFFIX[next(iter(parts))]
+        want = {suffix for suffix, _, _ in FORMS[form]}
+        if set(parts) != want:
+            raise QuantizedCheckpointError(f"{source}: {base} has tensors {sorted(parts)}, expected the {form} form's "
+                                           f"{sorted(want)}")
+        for suffix, dtype, _ in FORMS[form]:
+            if dtypes[f"{base}.{suffix}"] != dtype:
+                raise QuantizedCheckpointError(f"{source}: {base}.{suffix} has dtype {dtypes[f'{base}.{suffix}']}, "
+                                               f"expected {dtype}")
+        if base in plain:
+            raise QuantizedCheckpointError(f"{source}: {base} is stored both as floats and in the {form} form")
+        plain[base] = matrix_shape(form, parts, base, source)
+        kept[base] = form
+    return plain, kept
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """(..., K/2) uint8 -> (..., K) uint8 values 0..15, input 2i from the low nibble."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """(..., K) values 0..15 -> (..., K/2) uint8, the inverse of unpack_q4."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+Q4_K_BLOCK = 144  # bytes of a Q4_K super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of q
+Q4_K_VALUES = 256  # weights a super-block holds
+
+
+def q4_k_groups(raw: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
+    """An (n, k) matrix's Q4_K blocks (uint8, row-major, k / 256 blocks a row) as the q4 form, exactly: the
+    weight of input i in sub-block j of a block is d * scale_j * q_i - dmin * min_j (ggml's dequantize_row_q4_K)."""
+    if n < 1 or k < 1 or k % Q4_K_VALUES:
+        raise ValueError(f"a Q4_K matrix has rows of a multiple of {Q4_K_VALUES} values, not {n} x {k}")
+    blocks = n * k // Q4_K_VALUES
+    if raw.dtype != torch.uint8 or raw.numel() != blocks * Q4_K_BLOCK:
+        raise ValueError(f"a {n} x {k} Q4_K matrix is {blocks * Q4_K_BLOCK} bytes, got {raw.numel()} "
+                         f"{raw.dtype} values")
+    b = raw.reshape(blocks, Q4_K_BLOCK)
+    d, dmin = b[:, 0:4].contiguous().view(torch.float16).float().unbind(-1)
+    s = b[:, 4:16].int()
+    # 8 six-bit scales and mins: the first four in the low bits of bytes 0-3 and 4-7, the last four split
+    # between the nibbles of bytes 8-11 and the top two bits of bytes 0-3 (scales) and 4-7 (mins)
+    scales = torch.cat((s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)), dim=1)
+    mins = torch.cat((s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)), dim=1)
+    qs = b[:, 16:].reshape(blocks, 4, 1, 32)  # 4 chunks of 64 values: sub-block 2c low nibbles, 2c+1 high
+    q = torch.cat((qs & 15, qs >> 4), dim=2).reshape(n, k)
+    return {"q4": pack_q4(q), "q4_scale": (d[:, None] * scales).reshape(n, k // GROUP),
+            "q4_min": (dmin[:, None] * mins).reshape(n, k // GROUP)}
+
+
+def int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A float matrix as the q8 form: one scale a row, the smallest bf16 value >= max |w| / 127 (the kernel
+    computes in bf16 scales, so the stored value is the one computed), q = round(w / scale)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = (amax / 127).bfloat16()
+    scale = torch.where(scale.float() * 127 < amax, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
+                        scale).float()
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))  # an all-zero row: q = 0
+    return {"q8": (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), "q8_scale": scale}
+
+
+def dequantize(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A kept matrix's (or some of its rows') float32 values, as stored: scale * q - min, or scale * q."""
+    if form == "q4":
+        q = unpack_q4(parts["q4"]).float()
+        g = q.view(*q.shape[:-1], -1, GROUP)
+        return (g * parts["q4_scale"].float()[..., None] - parts["q4_min"].float()[..., None]).flatten(-2)
+    return parts["q8"].float() * parts["q8_scale"].float()[..., None]
+
+
+def computed_values(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weights as the CPU's kernels compute them: scales and offsets in bf16 (for an int4 group the kernel's
+    (q - 8) * scale + zero, zero = 8 * scale - min); an int8 row's scale already is bf16."""
+    if form == "q8":
+        return dequantize(form, parts)
+    scale, zero = parts["q4_scale"].float(), 8 * parts["q4_scale"].float() - parts["q4_min"].float()
+    q = unpack_q4(parts["q4"]).float().view(*scale.shape, GROUP) - 8
+    return (q * scale.bfloat16().float()[..., None] + zero.bfloat16().float()[..., None]).flatten(-2)
+
+
+def packed_weight(form: str, parts: dict[str, torch.Tensor]) -> PackedWeight:
+    """A kept matrix as the product the CPU computes: its int4 or int8 kernel, else (a shape the kernel does
+    not take) its dequantized values multiplied row by row."""
+    n, k = parts["q4" if form == "q4" else "q8"].shape
+    k *= 2 if form == "q4" else 1
+    if form == "q4" and Int4Weight.fits((n, k)):
+        return Int4Weight.from_groups(unpack_q4(parts["q4"]), parts["q4_scale"], -parts["q4_min"])
+    if form == "q8" and Int8Weight.fits((n, k)):
+        return Int8Weight(parts["q8"], parts["q8_scale"])
+    return RowWise(dequantize(form, parts))
+
+
+def stacked(forms: list[str], parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
+    """q, k and v as one product: their rows stacked into one matrix when all three have one form, else three
+    products side by side."""
+    if len(set(forms)) == 1:
+        return packed_weight(forms[0], {suffix: torch.cat([p[suffix] for p in parts]) for suffix in parts[0]})
+    return Stacked([packed_weight(f, p) for f, p in zip(forms, parts)])
+
+
+class KeptEmbedding(nn.Module):
+    """An embedding table kept in its stored form: the rows a lookup needs are dequantized (exactly the
+    stored values), the table never is."""
+
+    def __init__(self, form: str, parts: dict[str, torch.Tensor]):
+        super().__init__()
+        self.form, self.parts = form, parts
+        self.num_embeddings = parts["q4" if form == "q4" else "q8"].shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.form, {name: t[ids] for name, t in self.parts.items()})
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether any weight of `model` is in a packed form (int4 products or a kept quantization)."""
+    return isinstance(getattr(model, "embed_tokens", None), KeptEmbedding) or any(
+        isinstance(getattr(m, "weight", None), PackedWeight) for m in model.modules()) or isinstance(
+        getattr(model, "head_packed", None), PackedWeight)
+
+
+def _set_weight(module: nn.Module, weight: PackedWeight) -> None:
+    del module.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
+    module.weight = weight
+
+
+def install(model: nn.Module, kept: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Put the kept matrices into `model` (built on the meta device, before its float tensors are loaded) in
+    the form its CPU computes. `rows_alike` finishes the model once its float tensors are in."""
+    get = {name: {suffix: tensors[f"{name}.{suffix}"] for suffix, _, _ in FORMS[form]} for name, form in kept.items()}
+    for name, form in kept.items():
+        parts = get[name]
+        if name == "embed_tokens.weight":
+            model.embed_tokens = KeptEmbedding(form, parts)
+            if model.lm_head is None:  # a tied head: the product from the same stored values
+                model.head_packed = packed_weight(form, parts)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            if name.endswith("q_proj.weight"):
+                attn = model.get_submodule(name.rsplit(".", 2)[0])
+                trio = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+                if not all(n in kept for n in trio):
+                    raise QuantizedCheckpointError(f"{name}: q, k and v must all be kept quantized, or none")
+                _set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [get[n] for n in trio]))
+        else:
+            _set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts))
+
+
+def rows_alike(model: nn.Module) -> None:
+    """Make every pass of a kept model compute a position exactly as a one-token pass does: float matrices (a
+    GGUF's F16 or F32 ones) multiplied row by row, norms and attention row by row (`same_rows`)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor):
+            _set_weight(m, RowWise(m.weight.detach()))
+        if hasattr(m, "same_rows"):
+            m.same_rows = True
+    if model.lm_head is None and model.head_packed is None and not isinstance(model.embed_tokens, KeptEmbedding):
+        model.head_packed = RowWise(model.embed_tokens.weight.detach())
+
+
+def dequantized(kept: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The kept matrices as float32 tensors under their own names (a device or a request without the kernels)."""
+    return {name: dequantize(form, {suffix: tensors[f"{name}.{suffix}"] for suffix, _, _ in FORMS[form]})
+            for name, form in kept.items()}
