@@ -314,7 +314,8 @@ def test_a_bad_kept_checkpoint_is_refused_in_one_line(kept_dir, tmp_path, case, 
 # ---------------------------------------------------------------------------------------------
 # the real 0.5B
 
-SMALL_FP32, SMALL_KEPT = ROOT / "weights" / "qwen2.5-coder-0.5b-instruct", ROOT / "weights" / "qwen2.5-coder-0.5b-instruct-q4km"
+SMALL_FP32 = ROOT / "weights" / "qwen2.5-coder-0.5b-instruct"
+SMALL_KEPT = ROOT / "weights" / "qwen2.5-coder-0.5b-instruct-q4km"
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +325,8 @@ def real_pair():
     return Transformer.from_pretrained(SMALL_KEPT), Transformer.from_pretrained(SMALL_FP32)
 
 
-PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "# sort a list of numbers\ndef sort(xs):",
-           "The capital of France is"]
+PROMPTS = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+           "# sort a list of numbers\ndef sort(xs):", "The capital of France is"]
 
 
 def test_the_real_0_5b_kept_against_its_fp32_conversion(real_pair):
