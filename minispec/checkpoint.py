@@ -199,7 +199,9 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
             shapes, kept = quantized.split_kept(shapes, dtypes, str(wfile))  # a kept matrix under its own name
             check_state_dict(shapes, expected_tensors(cls, cfg, shapes, str(wfile)), str(wfile))
             check_dtypes({n: dt for n, dt in dtypes.items() if n in shapes}, str(wfile))
-            state = {n: f.get_tensor(n) for n in names}
+            # a kept matrix's parts are read when it is packed (below), one matrix at a time, not all at once here
+            parts = {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in quantized.FORMS[form]}
+            state = {n: f.get_tensor(n) for n in names if n not in parts}
     except CheckpointError:
         raise
     except quantized.QuantizedCheckpointError as e:
@@ -222,16 +224,17 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
         int4 = cfg.int4 and not kept and dtype in (None, torch.float32) and int4_supported(device or "cpu")
     if int4 and dtype not in (None, torch.float32):
         raise ValueError(f"an int4 model computes its activations in float32, not {dtype}")
-    parts = {f"{name}.{suffix}": state.pop(f"{name}.{suffix}") for name, form in kept.items()
-             for suffix, _, _ in quantized.FORMS[form]}
     if kept and not packed:
-        state.update(quantized.dequantized(kept, parts))
+        with quantized.FileReader(wfile) as read:
+            state.update(quantized.dequantized(kept, read))
     if dtype is None:
         dtype = torch.float32 if int4 or kept else WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
     with torch.device("meta"):  # checked against the file: a model of the file's size, no memory yet
         model = cls(cfg)
     if packed:
-        quantized.install(model, kept, parts)
+        with quantized.FileReader(wfile) as read:
+            quantized.install(model, kept, read)
+        state = {n: t.clone() for n, t in state.items()}  # the norms and biases: none keeps the file mapped
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
     model.init_rope()  # the RoPE tables were made on the meta device: make them real (they grow with use)
     model.config.int4 = False  # set again by to_int4

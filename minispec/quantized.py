@@ -24,6 +24,9 @@ steps do: greedy speculation equals greedy generation, as with the bf16 target.
 
 from __future__ import annotations
 
+import json
+import struct
+
 import torch
 import torch.nn as nn
 
@@ -199,30 +202,62 @@ def is_packed(model: nn.Module) -> bool:
         getattr(model, "head_packed", None), PackedWeight)
 
 
+_ST_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
+
+
+class FileReader:
+    """Reads a safetensors file's tensors one at a time with plain file reads into fresh, aligned tensors, no
+    memory mapping: a mapped file's pages count as the process's resident memory once touched, so packing a
+    model out of a mapping holds the whole file besides the packed copy. For a file whose header a
+    safetensors reader has already accepted (its offsets lie inside the file)."""
+
+    def __init__(self, path):
+        self.file = open(path, "rb")  # noqa: SIM115 - closed by close() / the with-block
+        (n,) = struct.unpack("<Q", self.file.read(8))
+        self.header, self.start = json.loads(self.file.read(n)), 8 + n
+
+    def __call__(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        self.file.seek(self.start + begin)
+        if self.file.readinto(memoryview(out.numpy())) != end - begin:
+            raise QuantizedCheckpointError(f"{self.file.name}: {name} is cut short: the file is truncated")
+        return out.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
 def _set_weight(module: nn.Module, weight: PackedWeight) -> None:
     del module.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
     module.weight = weight
 
 
-def install(model: nn.Module, kept: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+def install(model: nn.Module, kept: dict[str, str], read) -> None:
     """Put the kept matrices into `model` (built on the meta device, before its float tensors are loaded) in
-    the form its CPU computes. `rows_alike` finishes the model once its float tensors are in."""
-    get = {name: {suffix: tensors[f"{name}.{suffix}"] for suffix, _, _ in FORMS[form]} for name, form in kept.items()}
+    the form its CPU computes, reading each one's tensors with read(name) only when its turn comes (so the
+    stored and the packed forms of the whole model are never held at once). `rows_alike` finishes the model
+    once its float tensors are in."""
+    def parts(name: str) -> dict[str, torch.Tensor]:
+        return {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[kept[name]]}
     for name, form in kept.items():
-        parts = get[name]
         if name == "embed_tokens.weight":
-            model.embed_tokens = KeptEmbedding(form, parts)
+            model.embed_tokens = KeptEmbedding(form, parts(name))
             if model.lm_head is None:  # a tied head: the product from the same stored values
-                model.head_packed = packed_weight(form, parts)
+                model.head_packed = packed_weight(form, model.embed_tokens.parts)
         elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             if name.endswith("q_proj.weight"):
                 attn = model.get_submodule(name.rsplit(".", 2)[0])
                 trio = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
                 if not all(n in kept for n in trio):
                     raise QuantizedCheckpointError(f"{name}: q, k and v must all be kept quantized, or none")
-                _set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [get[n] for n in trio]))
+                _set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
         else:
-            _set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts))
+            _set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
 
 
 def rows_alike(model: nn.Module) -> None:
@@ -237,7 +272,8 @@ def rows_alike(model: nn.Module) -> None:
         model.head_packed = RowWise(model.embed_tokens.weight.detach())
 
 
-def dequantized(kept: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The kept matrices as float32 tensors under their own names (a device or a request without the kernels)."""
-    return {name: dequantize(form, {suffix: tensors[f"{name}.{suffix}"] for suffix, _, _ in FORMS[form]})
+def dequantized(kept: dict[str, str], read) -> dict[str, torch.Tensor]:
+    """The kept matrices as float32 tensors under their own names, their parts read with read(name) (a device
+    or a request without the kernels)."""
+    return {name: dequantize(form, {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]})
             for name, form in kept.items()}

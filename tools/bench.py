@@ -7,6 +7,9 @@
                                    # and assisted generation with the same draft, batch sizes 1/4/16;
                                    # a markdown table, a PNG plot, predicted vs measured tokens per round,
                                    # peak memory of target + draft beside target alone
+    python tools/bench.py spec --pair coder --phases quantized   # the 1.5B as shipped (Q4_K_M kept) beside
+                                   # llama.cpp plain and speculative on the same files; pass costs by rows; peak RSS
+    python tools/bench.py distance --pair coder --target weights/qwen2.5-coder-1.5b-instruct-q4km   # its KL
     python tools/bench.py greedy --pair coder   # not speed: greedy speculate equals generate on every bench prompt
     python tools/bench.py drafts --pair coder --ks 4 [--draft SUBSET_DIR]   # the pair's small model in fp32
                                    # fp16 and int4 (and another draft, e.g. with a subset head): acceptance, draft
@@ -27,6 +30,7 @@ from bench_cost import predicted_speedup  # noqa: F401  (re-exported: see below)
 from bench_drafts import bench_drafts
 from bench_peers import bench_core
 from bench_plan import BENCH_PROMPTS, DRAFT_SOURCES, PAIRS, bench_spec, merge_stats  # noqa: F401  (re-exported)
+from bench_quant import KEPT, quant_phase, quant_table
 from bench_report import drafts_table, print_core, spec_table
 from checks import distance_line, dtype_distance, greedy_check, greedy_line
 
@@ -47,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (coder pair; built by `make bench`)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the spec benchmark")
     ap.add_argument("--quick", action="store_true", help="fewer k values at T=0.7")
-    ap.add_argument("--phases", default="minispec,llama.cpp,transformers",
-                    help="the spec benchmark's phases to run (default all three; each re-measures target-only)")
+    ap.add_argument("--phases", default="quantized,minispec,llama.cpp,transformers",
+                    help="the spec benchmark's phases to run (default all four: quantized, the coder pair's kept "
+                         "target beside llama.cpp on the shipped files, runs first; the others each re-measure "
+                         "target-only)")
     ap.add_argument("--plot", default=None, help="write the spec benchmark's plot to this PNG")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="fixed k values for the spec benchmark")
@@ -68,13 +74,21 @@ def run_spec(args) -> dict:
     target, draft, texts, ggufs = PAIRS[args.pair]
     phases = [p for p in args.phases.split(",")
               if not (p == "llama.cpp" and args.no_llama or p == "transformers" and args.no_hf)]
+    quant = None
+    if "quantized" in phases and args.pair in KEPT:  # first: no fp32 copy resident beside llama.cpp's files
+        quant = quant_phase(args.pair, texts[:args.prompts], ggufs, args.new_tokens, args.repeats, args.threads,
+                            ks=tuple(int(k) for k in args.ks.split(",") if int(k) <= 4))
+        print(quant_table(quant), flush=True)
+    phases = [p for p in phases if p != "quantized"]
+    if not phases:
+        return {"quantized": quant}
     res = bench_spec(args.target or target, args.draft or draft, args.new_tokens, args.repeats, args.threads,
                      ks=tuple(int(k) for k in args.ks.split(",")),
                      batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                      plot=args.plot, quick=args.quick, texts=texts[:args.prompts], ggufs=ggufs,
                      phases=phases, target_dtype=args.target_dtype)
     print(json.dumps(res, indent=2) if args.json else spec_table(res))
-    return res
+    return res if quant is None else {**res, "quantized": quant}
 
 
 def run_drafts(args) -> dict:
@@ -98,9 +112,10 @@ def run_greedy(args) -> dict:
 
 
 def run_distance(args) -> dict:
-    """How far a bf16 target's outputs move from the fp32 target's."""
+    """How far a bf16 target's outputs (or --target's, e.g. the kept quantization) move from the fp32 target's."""
     target, _, texts, _ = PAIRS[args.pair]
-    res = dtype_distance(args.target or target, texts[:args.prompts], "bfloat16", args.new_tokens, args.threads)
+    res = dtype_distance(target, texts[:args.prompts], "bfloat16", args.new_tokens, args.threads,
+                         other=args.target if args.target and args.target != target else None)
     print(json.dumps(res, indent=2) if args.json else distance_line(res))
     return res
 

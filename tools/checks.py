@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from bench_plan import draft_form
@@ -65,13 +66,17 @@ def prompt_distance(ref, low, ids: list[int], new_tokens: int) -> tuple[torch.Te
     return kl, lp.argmax(-1) == lq.argmax(-1), same, len(cont)
 
 
-def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: int = 128, threads: int = 2) -> dict:
-    """How far the target in `dtype` moves from the fp32 target: over the fp32 model's own greedy continuation
-    of each prompt, per position KL(p_fp32 || p_dtype) and whether the two argmaxes agree; and how many greedy
-    tokens the `dtype` model generates before it first leaves the fp32 model's."""
+def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: int = 128, threads: int = 2,
+                   other: str | None = None) -> dict:
+    """How far the target in `dtype` (or the checkpoint `other` as it loads, e.g. a kept quantization) moves
+    from the fp32 target: over the fp32 model's own greedy continuation of each prompt, per position
+    KL(p_fp32 || p_other) and whether the two argmaxes agree; and how many greedy tokens the other model
+    generates before it first leaves the fp32 model's."""
     torch.set_num_threads(threads)
     ref = Transformer.from_pretrained(target_dir, dtype=torch.float32)
-    low = Transformer.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+    low = Transformer.from_pretrained(other) if other else Transformer.from_pretrained(target_dir,
+                                                                                       dtype=getattr(torch, dtype))
+    dtype = Path(other).name if other else dtype
     kls, agree, rows = [], [], []
     for i, text in enumerate(texts):
         ids = ref.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -88,6 +93,6 @@ def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: 
 
 def distance_line(res: dict) -> str:
     """dtype_distance's summary in one line."""
-    return (f"bfloat16 against float32 over {len(res['rows'])} prompts x {res['new_tokens']} tokens: KL mean "
+    return (f"{res['dtype']} against float32 over {len(res['rows'])} prompts x {res['new_tokens']} tokens: KL mean "
             f"{res['kl_mean']:.2e}, median {res['kl_median']:.2e}, max {res['kl_max']:.2e}; argmax agreement "
             f"{res['argmax_agreement']:.4f}")
