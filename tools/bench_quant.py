@@ -4,7 +4,7 @@ minispec.quantized) beside llama.cpp's plain and speculative decoding of the sam
 Everything runs interleaved prompt by prompt (bench_plan.SpecRun). Besides the rows: the cost of one
 target pass by the number of new tokens it scores (a decode step is 1 row, a verify pass of k drafts
 k + 1), and each engine's peak resident memory in a process of its own. No fp32 copy is resident while
-it runs: a 6 GB one evicted llama.cpp's memory-mapped GGUF from the page cache (docs/benchmarks.md).
+it runs: one evicted llama.cpp's memory-mapped GGUF from the page cache (docs/benchmarks.md).
 """
 
 from __future__ import annotations
