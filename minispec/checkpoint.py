@@ -200,7 +200,7 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
             check_state_dict(shapes, expected_tensors(cls, cfg, shapes, str(wfile)), str(wfile))
             check_dtypes({n: dt for n, dt in dtypes.items() if n in shapes}, str(wfile))
             # a kept matrix's parts are read when it is packed (below), one matrix at a time, not all at once here
-            parts = {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in quantized.FORMS[form]}
+            parts = quantized.part_names(kept)
             state = {n: f.get_tensor(n) for n in names if n not in parts}
     except CheckpointError:
         raise

@@ -80,23 +80,23 @@ def hf_config_from_minispec(cfg: ModelConfig, dtype: torch.dtype = torch.float32
     return hf
 
 
-def _check(f, slices: dict, wfile: Path, cfg: ModelConfig) -> dict[str, str]:
+def _check(f, slices: dict, wfile: Path, cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The weights file's tensors against `cfg`: layers, shapes, dtypes, head ids (a CheckpointError if wrong).
-    Returns the kept-quantization matrices' forms (minispec.quantized)."""
+    Returns the model's tensor shapes (a kept matrix under its own name) and the kept matrices' forms
+    (minispec.quantized)."""
     dtypes = {n: s.get_dtype() for n, s in slices.items()}
     shapes, kept = quantized.split_kept({n: tuple(s.get_shape()) for n, s in slices.items()}, dtypes, str(wfile))
     check_state_dict(shapes, expected_tensors(Transformer, cfg, shapes, str(wfile)), str(wfile))  # layers first
     check_dtypes({n: dt for n, dt in dtypes.items() if n in shapes}, str(wfile))
     if "head_ids" in slices:
         check_head_ids(f.get_tensor("head_ids"), cfg.vocab_size, str(wfile))
-    return kept
+    return shapes, kept
 
 
 def _kept(f, name: str, form: str) -> torch.Tensor:
     """A kept matrix's stored values in float32 (transformers computes them in fp32, minispec's CPU kernels
     with bf16 scales: docs/design.md, "Quantized targets")."""
-    parts = {suffix: f.get_tensor(f"{name}.{suffix}") for suffix, _, _ in quantized.FORMS[form]}
-    return quantized.dequantize(form, parts)
+    return quantized.dequantize(form, quantized.read_parts(name, form, f.get_tensor))
 
 
 def _full_head(f, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -106,17 +106,16 @@ def _full_head(f, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     return full
 
 
-def _entries(f, slices: dict, cfg: ModelConfig, src: Path, kept: dict[str, str]) -> list[TensorEntry]:
+def _entries(f, slices: dict, cfg: ModelConfig, src: Path, shapes: dict[str, tuple[int, ...]],
+             kept: dict[str, str]) -> list[TensorEntry]:
     """The tensors to write, under their Hugging Face names, each read from `f` when its turn comes."""
-    parts = {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in quantized.FORMS[form]}
+    parts = quantized.part_names(kept)
     slices = {n: s for n, s in slices.items() if n not in parts}
-    shapes = {n: tuple(s.get_shape()) for n, s in slices.items()}
     dtypes = {n: TORCH_DTYPE[s.get_dtype()] for n, s in slices.items()}
     entries = [TensorEntry(minispec_to_hf_name(n), shapes[n], dtypes[n], functools.partial(f.get_tensor, n))
                for n in slices if n not in ("head_ids", "lm_head.weight")]
-    entries += [TensorEntry(minispec_to_hf_name(name), quantized.matrix_shape(form, {
-        suffix: tuple(f.get_slice(f"{name}.{suffix}").get_shape()) for suffix, _, _ in quantized.FORMS[form]},
-        name, str(src)), torch.float32, functools.partial(_kept, f, name, form)) for name, form in kept.items()]
+    entries += [TensorEntry(minispec_to_hf_name(name), shapes[name], torch.float32,
+                            functools.partial(_kept, f, name, form)) for name, form in kept.items()]
     if "lm_head.weight" in slices and cfg.head_vocab_size is None:
         entries.append(TensorEntry("lm_head.weight", shapes["lm_head.weight"], dtypes["lm_head.weight"],
                                    functools.partial(f.get_tensor, "lm_head.weight")))
@@ -151,8 +150,8 @@ def export_hf(src: str | Path, dst: str | Path, overwrite: bool = False, progres
         except Exception as e:
             raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
                                   "the file may be truncated or corrupt") from None
-        kept = _check(f, slices, wfile, cfg)
-        entries = _entries(f, slices, cfg, src, kept)
+        shapes, kept = _check(f, slices, wfile, cfg)
+        entries = _entries(f, slices, cfg, src, shapes, kept)
         embed = slices.get("embed_tokens.weight")
         hf = hf_config_from_minispec(cfg, TORCH_DTYPE[embed.get_dtype()] if embed is not None else torch.float32)
         gen = {k: v for k, v in (("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id)) if v is not None}

@@ -226,8 +226,7 @@ class Int4Weight(PackedWeight):
 
     @classmethod
     def fits(cls, shape) -> bool:
-        """The kernel's shapes (a matrix's or its shape): output rows a multiple of 16, inputs of the group."""
-        shape = getattr(shape, "shape", shape)
+        """The kernel's shapes: output rows a multiple of 16, inputs of the group."""
         return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % cls.GROUP == 0
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -299,10 +298,8 @@ def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> t
     greedy speculation would then drift from greedy generation at near-ties. Row by row, a verify pass (or a
     prefill) computes for each position what a decode step computes (the products agree already: `linear`
     computes one bf16 row as two). T calls instead of one: a prefill of a long prompt pays for it."""
-    T, L, Hkv = q.shape[2], ctx.shape[2], n_kv_heads
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, t:t + 1], ctx[:, :Hkv, :L - T + t + 1],
-                                                     ctx[:, Hkv:, :L - T + t + 1], enable_gqa=q.shape[1] != Hkv)
-                      for t in range(T)], dim=2)
+    T, L = q.shape[2], ctx.shape[2]
+    return each_row_alone(q, ctx, n_kv_heads, [[L - T + t + 1 for t in range(T)]])
 
 
 def each_row_alone(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int, ends: list[list[int]]) -> torch.Tensor:
@@ -328,9 +325,9 @@ def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_k
     SDPA call."""
     B, H, T = q.shape[:3]
     if q.device.type == "cpu" and enabled():
-        if ends is not None and B > 1:
+        if ends is not None and B * T > 1:
             return each_row_alone(q, ctx, n_kv_heads, ends)
-        if B == 1 and T > 1 and (q.dtype == torch.bfloat16 or ends is not None):
+        if B == 1 and T > 1 and q.dtype == torch.bfloat16:
             return row_wise_attention(q, ctx, n_kv_heads)
     return F.scaled_dot_product_attention(q, ctx[:, :n_kv_heads], ctx[:, n_kv_heads:], attn_mask=mask,
                                           enable_gqa=H != n_kv_heads)

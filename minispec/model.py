@@ -28,6 +28,7 @@ from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
 from .generate import generate
 from .kernels import Int4Weight, PackedWeight, int4_supported
+from .quantized import set_weight
 from .speculative import speculate
 from .threads import tuned
 
@@ -208,9 +209,7 @@ class Transformer(nn.Module):
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, nn.Linear)]
         for m in linears + ([self.lm_head] if self.lm_head is not None else []):
             if isinstance(m.weight, torch.Tensor) and Int4Weight.fits(m.weight.shape):
-                w = m.weight
-                del m.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
-                m.weight = Int4Weight(w)
+                set_weight(m, Int4Weight(m.weight))
         embedding = getattr(self.embed_tokens, "weight", None)
         if self.lm_head is None and self.head_packed is None and isinstance(embedding, torch.Tensor) and \
                 Int4Weight.fits(embedding.shape):  # tied: the lookup stays float

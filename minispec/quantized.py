@@ -232,8 +232,20 @@ class FileReader:
         self.file.close()
 
 
-def _set_weight(module: nn.Module, weight: PackedWeight) -> None:
-    del module.weight  # the parameter goes: the module keeps a plain attribute, out of the state dict
+def part_names(kept: dict[str, str]) -> set[str]:
+    """The file's tensor names that make up the kept matrices (NAME.q4, NAME.q4_scale, ...)."""
+    return {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in FORMS[form]}
+
+
+def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
+    """A kept matrix's tensors by suffix, each read with read(tensor name)."""
+    return {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]}
+
+
+def set_weight(module: nn.Module, weight: PackedWeight) -> None:
+    """Give a module a packed weight: the parameter goes, the module keeps a plain attribute, out of the
+    state dict."""
+    del module.weight
     module.weight = weight
 
 
@@ -243,7 +255,7 @@ def install(model: nn.Module, kept: dict[str, str], read) -> None:
     stored and the packed forms of the whole model are never held at once). `rows_alike` finishes the model
     once its float tensors are in."""
     def parts(name: str) -> dict[str, torch.Tensor]:
-        return {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[kept[name]]}
+        return read_parts(name, kept[name], read)
     for name, form in kept.items():
         if name == "embed_tokens.weight":
             model.embed_tokens = KeptEmbedding(form, parts(name))
@@ -255,9 +267,9 @@ def install(model: nn.Module, kept: dict[str, str], read) -> None:
                 trio = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
                 if not all(n in kept for n in trio):
                     raise QuantizedCheckpointError(f"{name}: q, k and v must all be kept quantized, or none")
-                _set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
+                set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
         else:
-            _set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
+            set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
 
 
 def rows_alike(model: nn.Module) -> None:
@@ -265,7 +277,7 @@ def rows_alike(model: nn.Module) -> None:
     GGUF's F16 or F32 ones) multiplied row by row, norms and attention row by row (`same_rows`)."""
     for m in model.modules():
         if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor):
-            _set_weight(m, RowWise(m.weight.detach()))
+            set_weight(m, RowWise(m.weight.detach()))
         if hasattr(m, "same_rows"):
             m.same_rows = True
     if model.lm_head is None and model.head_packed is None and not isinstance(model.embed_tokens, KeptEmbedding):
@@ -275,5 +287,4 @@ def rows_alike(model: nn.Module) -> None:
 def dequantized(kept: dict[str, str], read) -> dict[str, torch.Tensor]:
     """The kept matrices as float32 tensors under their own names, their parts read with read(name) (a device
     or a request without the kernels)."""
-    return {name: dequantize(form, {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]})
-            for name, form in kept.items()}
+    return {name: dequantize(form, read_parts(name, form, read)) for name, form in kept.items()}

@@ -102,7 +102,7 @@ def test_int4_product_is_the_product_with_the_rounded_matrix():
     assert (got - want).norm() / want.norm() < 2e-2  # bf16 activations, scales and offsets
     exact = x @ w.T + b
     assert 0.02 < (got - exact).norm() / exact.norm() < 0.2  # 4 bits are not 32: the rounding is there
-    assert not Int4Weight.fits(torch.zeros(40, 64)) and not Int4Weight.fits(torch.zeros(48, 40))
+    assert not Int4Weight.fits((40, 64)) and not Int4Weight.fits((48, 40))
     with kernels.plain():  # a stored form, not a choice: its kernel runs with the switch off too
         assert torch.equal(linear(x, q, b), got)
 
@@ -117,7 +117,8 @@ def _boom(*args, **kwargs):
 
 def _every_fast_path_raises(monkeypatch) -> dict:
     """Make every fast path (and the product-form probe) raise; count the plain F.linear and SDPA calls."""
-    for name in ("product_forms", "_transposed", "_one_row_as_two", "row_wise_attention", "_rms_norm_row"):
+    for name in ("product_forms", "_transposed", "_one_row_as_two", "row_wise_attention", "each_row_alone",
+                 "_rms_norm_row"):
         monkeypatch.setattr(kernels, name, _boom)
     for name in list(PRODUCTS):
         monkeypatch.setitem(PRODUCTS, name, _boom)

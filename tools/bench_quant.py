@@ -10,13 +10,12 @@ it runs: one evicted llama.cpp's memory-mapped GGUF from the page cache (docs/be
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
+from bench_cost import step_time
 from bench_peers import llama_command, llama_cpp_bin, llama_one, read_bandwidth
 from bench_plan import SpecRun, process_memory_mb
 
@@ -43,21 +42,8 @@ def packed_bytes(model: Transformer) -> int:
 
 
 def pass_costs(model: Transformer, prompt: list[int], rows=ROWS, repeats: int = 7) -> dict[int, float]:
-    """Median seconds of one pass over `rows` new tokens after `prompt` (each from the same cached prefix)."""
-    cache = model.new_cache()
-    seq = cache.new_sequence()
-    model.step(cache, [seq], [prompt])
-    out = {}
-    for r in rows:
-        times = []
-        for _ in range(repeats):
-            f = cache.fork(seq)
-            t0 = time.perf_counter()
-            model.step(cache, [f], [prompt[:r]], all_logits=True)
-            times.append(time.perf_counter() - t0)
-            cache.free(f)
-        out[r] = statistics.median(times[1:])
-    return out
+    """Median seconds of one pass over the last `rows` tokens of `prompt` (the rest cached: bench_cost.step_time)."""
+    return {r: step_time(model, prompt, r, repeats) for r in rows}
 
 
 # run from a small fresh Python: a child forked from the benchmark's own large process would count that

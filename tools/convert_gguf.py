@@ -545,12 +545,18 @@ def load_tensor(t, name: str, cfg: ModelConfig, permuted: bool = True) -> torch.
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
     arr = gguf.quants.dequantize(t.data, t.tensor_type)
     w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a writable copy, off the memmap
+    return in_hf_rope_order(w, name, cfg, permuted)
+
+
+def in_hf_rope_order(w: torch.Tensor, name: str, cfg: ModelConfig, permuted: bool) -> torch.Tensor:
+    """A q/k weight or bias (or any tensor whose rows are its outputs: a kept form's parts) with llama.cpp's
+    RoPE row permutation undone when the file has it; any other tensor as it is."""
     if not permuted:
         return w
     if name.endswith(("q_proj.weight", "q_proj.bias")):
-        w = unpermute_rope_rows(w, cfg.n_heads)
-    elif name.endswith(("k_proj.weight", "k_proj.bias")):
-        w = unpermute_rope_rows(w, cfg.n_kv_heads)  # K has only the kv heads (GQA)
+        return unpermute_rope_rows(w, cfg.n_heads)
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rope_rows(w, cfg.n_kv_heads)  # K has only the kv heads (GQA)
     return w
 
 
@@ -561,9 +567,8 @@ class KeptTensor:
     """One quantized GGUF matrix in a kept form (`quantized.FORMS`): its parts made once, when the first is
     written (the parts are written one after another), and its distance from the file's values recorded."""
 
-    def __init__(self, t, name: str, cfg: ModelConfig, permuted: bool, errors: dict):
-        self.t, self.name, self.cfg, self.permuted, self.errors = t, name, cfg, permuted, errors
-        self.shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    def __init__(self, t, name: str, shape: tuple[int, int], cfg: ModelConfig, permuted: bool, errors: dict):
+        self.t, self.name, self.shape, self.cfg, self.permuted, self.errors = t, name, shape, cfg, permuted, errors
         self.form = "q4" if t.tensor_type.name == "Q4_K" else "q8"
         self.parts: dict[str, torch.Tensor] | None = None
 
@@ -578,10 +583,8 @@ class KeptTensor:
             exact = load_tensor(self.t, self.name, self.cfg, self.permuted)  # the file's values, as gguf dequantizes
             if self.form == "q4":
                 raw = torch.from_numpy(np.array(self.t.data, dtype=np.uint8).reshape(-1))  # a writable copy
-                self.parts = quantized.q4_k_groups(raw, *self.shape)
-                if self.permuted and self.name.endswith(("q_proj.weight", "k_proj.weight")):
-                    heads = self.cfg.n_heads if "q_proj" in self.name else self.cfg.n_kv_heads
-                    self.parts = {s: unpermute_rope_rows(p, heads) for s, p in self.parts.items()}
+                self.parts = {s: in_hf_rope_order(p, self.name, self.cfg, self.permuted)
+                              for s, p in quantized.q4_k_groups(raw, *self.shape).items()}
             else:
                 self.parts = quantized.int8_rows(exact)
             stored = quantized.dequantize(self.form, self.parts)
@@ -638,7 +641,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         check_tensor_type(t)
         name = gguf_to_minispec_name(t.name)
         if keep_quant and t.tensor_type.name not in FLOAT_TYPES and len(shapes[t.name]) == 2:
-            entries += KeptTensor(t, name, cfg, permuted, errors).entries()
+            entries += KeptTensor(t, name, shapes[t.name], cfg, permuted, errors).entries()
         else:
             entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
                                        lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
