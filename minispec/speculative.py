@@ -18,6 +18,7 @@ from .adaptive import AUTO_FIXED, AdaptiveK, auto_k, best_k, expected_tokens, fi
 from .drafters import CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, draw_exact, make_drafter  # noqa: F401
 from .errors import (
     GenerationError,
+    check_callable,
     check_max_new_tokens,
     check_proposal,
     check_seed,
@@ -112,12 +113,14 @@ def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[li
 class ExactSampler:
     """The exact algorithm as three steps, so a negative control can replace exactly one of them.
 
-    draw (a model draft's logits -> tokens and the q it reports), verify (one row at temperature > 0),
-    greedy_verify (a batch at temperature 0). minispec.controls registers the broken ones in SAMPLERS.
+    draw (a model draft's logits -> tokens and the q it reports), target_probs (the target's logits -> the p
+    verify is handed), verify (one row at temperature > 0), greedy_verify (a batch at temperature 0).
+    minispec.controls registers the broken ones in SAMPLERS.
     """
 
     name = "exact"
     draw = staticmethod(draw_exact)  # the exact steps are the module's pure functions
+    target_probs = staticmethod(logits_to_probs)
     verify = staticmethod(verify)
     greedy_verify = staticmethod(greedy_verify)
 
@@ -199,6 +202,102 @@ class SpeculativeResult:
     caches: tuple[CachedRows, CachedRows | None] | None = None
 
 
+@dataclass
+class Proposal:
+    """One round's drafts, from the propose step: per live row, its draft tokens and the q each was drawn from."""
+
+    rows: list[int]  # the live rows (indices into the prompt batch), in the order of every list here
+    k: int  # the round's k, fixed before anything was drafted
+    drafts: list[list[int]]  # per row: d_1..d_n (n <= k: a row's budget or the drafter may cut it)
+    qs: list[torch.Tensor]  # per row: (n, V) the distributions the drafts were drawn from
+
+
+@dataclass
+class Verdict:
+    """What the verify step decided, per row of a Proposal: the drafts accepted and the token after them."""
+
+    accepted: list[int]  # per row: how many drafts were accepted
+    next_tokens: list[int]  # per row: the token drawn after them (the correction, or the bonus token)
+    # The target's final hidden states of the verify pass, (rows, T, dim): row b's pass holds its pending tokens
+    # then its drafts, so its drafts' states start at index n_pending[b]. The place where a drafter that reads the
+    # target's states would be handed them (at commit); nothing keeps them after the round.
+    hidden: torch.Tensor
+    n_pending: list[int]  # per row: the tokens fed before its drafts (at least the last committed one)
+
+
+class _Run:
+    """The state one speculate call carries from round to round, and the three steps of a round: propose (the
+    drafter's tokens), verify (one target pass and the acceptance step) and commit (outputs, stats, both caches)."""
+
+    def __init__(self, target, drafter: Drafter, policy: ExactSampler, params: SamplingParams, batch, budgets,
+                 active, seed, stops, on_tokens, block_size: int, keep_caches: bool, stats: SpeculativeStats):
+        self.target, self.drafter, self.policy, self.params = target, drafter, policy, params
+        self.budgets, self.active, self.stops, self.on_tokens = budgets, active, stops, on_tokens
+        self.keep_caches, self.stats = keep_caches, stats
+        self.out: list[list[int]] = [[] for _ in batch]
+        live_prompts = {i: batch[i] for i in active}
+        self.tgt = CachedRows(target, live_prompts, block_size)
+        drafter.start(live_prompts, params, block_size, target.config.vocab_size)
+        self.gens = make_generators(seed, len(batch))
+        self.contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
+
+    def propose(self, k: int) -> Proposal:
+        """The drafter's tokens for every live row, at most k each and never past a row's remaining budget (a
+        round commits at most k + 1 tokens)."""
+        ks = [min(k, self.budgets[i] - len(self.out[i]) - 1) for i in self.active]
+        proposal = self.drafter.propose(self.active, ks, self.contexts, self.gens)
+        drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, self.target.config.vocab_size)
+        return Proposal(list(self.active), k, drafts, qs)
+
+    def verify(self, prop: Proposal) -> Verdict:
+        """ONE target pass over every row's pending tokens and drafts, then the acceptance step of each row.
+
+        The pass gives hidden states (B, T, dim); p_1..p_{k+1} of row b come from those at its last pending token
+        and at each of its drafts."""
+        drafts, policy, params = prop.drafts, self.policy, self.params
+        n_pending = [len(self.tgt.pending[i]) for i in prop.rows]
+        h = self.tgt.feed(prop.rows, drafts, hidden=True)
+        if params.greedy:
+            # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
+            # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
+            accepted, nxt = policy.greedy_verify(self.target, h, n_pending, drafts)
+        else:
+            b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
+            t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+            probs = policy.target_probs(self.target.logits(h[b_idx, t_idx]).float(), params).double().cpu()
+            starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of probs: (sum k_b + 1, V)
+            accepted, nxt = map(list, zip(*[
+                policy.verify(drafts[b], prop.qs[b], probs[starts[b]:starts[b + 1]],
+                              torch.rand(len(drafts[b]) + 1, generator=self.gens[i], dtype=torch.float64))
+                for b, i in enumerate(prop.rows)]))
+        return Verdict(accepted, nxt, h, n_pending)
+
+    def commit(self, prop: Proposal, verdict: Verdict) -> None:
+        """Each row's accepted drafts and next token, cut at a stop token or the budget, go to its output, the
+        caller's on_tokens, both caches and the stats; a finished row leaves the live rows."""
+        still = []
+        for b, i in enumerate(prop.rows):
+            n = verdict.accepted[b]
+            self.stats._count(len(prop.drafts[b]), n)
+            new = prop.drafts[b][:n] + [verdict.next_tokens[b]]
+            # a stop token inside the accepted run ends the sequence there
+            new = new[:next((j for j, t in enumerate(new) if t in self.stops), len(new) - 1) + 1]
+            self.out[i] += new
+            self.contexts[i] += new
+            self.stats.committed += len(new)
+            if self.on_tokens is not None:
+                self.on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
+            self.tgt.commit(i, new)
+            self.drafter.commit(i, new)
+            if self.out[i][-1] in self.stops or len(self.out[i]) >= self.budgets[i]:
+                if not self.keep_caches:
+                    self.tgt.free(i)
+                self.drafter.finish(i, keep=self.keep_caches)
+            else:
+                still.append(i)
+        self.active = still
+
+
 @torch.inference_mode()
 def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_tokens: int = 64, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
@@ -218,10 +317,13 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_toke
     sampler: "exact", or the name of a deliberately broken negative control (minispec.controls describes
       each; SAMPLERS holds every name).
     keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
+
+    Each round is three steps of _Run: propose, verify, commit (docs/design.md, "One speculative round").
     """
     params = SamplingParams(temperature, top_k, top_p)
     check_seed(seed)  # here, before the prefills: the generators are made after them
     check_max_new_tokens(max_new_tokens)
+    check_callable("on_tokens", on_tokens, GenerationError)
     policy = get_sampler(sampler)
     if not (k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)):
         raise GenerationError(f"k (draft tokens per round) must be an integer >= 1, 'auto', '{AUTO_FIXED}' or an "
@@ -235,70 +337,27 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_toke
     elif k == AUTO_FIXED:  # nothing measured or carried over: the same call gives the same k's, so the same tokens
         adaptive = AdaptiveK(cost_ratio=fixed_cost_ratio(target, drafter))
     stops = resolve_stop_tokens(target, stop_tokens)
-    out: list[list[int]] = [[] for _ in batch]
     max_len = target.config.max_seq_len
     budgets = {i: min(max_new_tokens, max_len - len(p)) for i, p in enumerate(batch)}  # prompt + output <= max_seq_len
     active = [i for i in range(len(batch)) if budgets[i] > 0]
     if not active:
-        return SpeculativeResult(out[0] if single else out, stats)
-    live_prompts = {i: batch[i] for i in active}
-    tgt = CachedRows(target, live_prompts, block_size)
-    drafter.start(live_prompts, params, block_size, target.config.vocab_size)
-    gens = make_generators(seed, len(batch))
-    contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
-    while active:
+        return SpeculativeResult([] if single else [[] for _ in batch], stats)
+    run = _Run(target, drafter, policy, params, batch, budgets, active, seed, stops, on_tokens, block_size,
+               keep_caches, stats)
+    while run.active:
         kr = adaptive.choose() if adaptive else k
-        # a round commits at most k + 1 tokens: never draft past a row's remaining budget
-        ks = [min(kr, budgets[i] - len(out[i]) - 1) for i in active]
         t0 = time.perf_counter()
-        proposal = drafter.propose(active, ks, contexts, gens)
+        prop = run.propose(kr)
         t1 = time.perf_counter()
-        drafts, qs = check_proposal(drafter, active, ks, proposal, target.config.vocab_size)
-        n_pending = [len(tgt.pending[i]) for i in active]
-        # ONE target pass verifies the whole batch: hidden states (B, T, dim); p_1..p_{k+1} of row b come
-        # from those at its last pending token and at each of its drafts
-        h = tgt.feed(active, drafts, hidden=True)
-        if params.greedy:
-            # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
-            # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
-            decided = policy.greedy_verify(target, h, n_pending, drafts)
-        else:
-            b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
-            t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-            probs = logits_to_probs(target.logits(h[b_idx, t_idx]).float(), params).double().cpu()  # (sum k_b + 1, V)
-            starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of probs
-            decided = list(zip(*[policy.verify(drafts[b], qs[b], probs[starts[b]:starts[b + 1]],
-                                               torch.rand(len(drafts[b]) + 1, generator=gens[i], dtype=torch.float64))
-                                 for b, i in enumerate(active)]))
-        still, n_accepted = [], []
-        for b, i in enumerate(active):
-            n, nxt = decided[0][b], decided[1][b]
-            stats._count(len(drafts[b]), n)
-            n_accepted.append(n)
-            new = drafts[b][:n] + [nxt]
-            # a stop token inside the accepted run ends the sequence there
-            new = new[:next((j for j, t in enumerate(new) if t in stops), len(new) - 1) + 1]
-            out[i] += new
-            contexts[i] += new
-            stats.committed += len(new)
-            if on_tokens is not None:
-                on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
-            tgt.commit(i, new)
-            drafter.commit(i, new)
-            if out[i][-1] in stops or len(out[i]) >= budgets[i]:
-                if not keep_caches:
-                    tgt.free(i)
-                drafter.finish(i, keep=keep_caches)
-            else:
-                still.append(i)
+        verdict = run.verify(prop)
+        run.commit(prop, verdict)
         t2 = time.perf_counter()
         if adaptive is not None:  # a call's first round also prefills both models: its outcome counts, its times not
-            adaptive.update([len(d) for d in drafts], n_accepted, t1 - t0, drafter.steps * (stats.rounds > 0),
-                            (t2 - t1) if stats.rounds else None)
-        active = still
+            adaptive.update([len(d) for d in prop.drafts], verdict.accepted, t1 - t0,
+                            drafter.steps * (stats.rounds > 0), (t2 - t1) if stats.rounds else None)
         stats.rounds += 1
         stats.k_chosen.append(kr)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
-    caches = (tgt, getattr(drafter, "rows", None)) if keep_caches else None
-    return SpeculativeResult(out[0] if single else out, stats, caches)
+    caches = (run.tgt, getattr(drafter, "rows", None)) if keep_caches else None
+    return SpeculativeResult(run.out[0] if single else run.out, stats, caches)
