@@ -39,6 +39,20 @@ def one_line(e: BaseException) -> str:
     return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation failure: a MemoryError (Python's, numpy's), torch's OutOfMemoryError, or the
+    RuntimeError torch's CPU allocator raises ("not enough memory"), which no other type marks."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "not enough memory" in str(e))
+
+
+def check_callable(name: str, v, error: type[InputError] = InputError) -> None:
+    """None or a callable: a callback given as something else (on_tokens=42) is refused before any work, not at
+    its first call."""
+    if v is not None and not callable(v):
+        raise error(f"{name} must be a callable or None, got {show(v)}")
+
+
 def is_int(v) -> bool:
     """A true integer: not a bool (True is 1 in Python), not a float, not a string."""
     return isinstance(v, int) and not isinstance(v, bool)

@@ -9,7 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .cache import MAX_BLOCK_SIZE
-from .errors import check_int, check_logits, check_max_new_tokens, check_seed, normalize_prompts, resolve_stop_tokens
+from .errors import (
+    GenerationError,
+    check_callable,
+    check_int,
+    check_logits,
+    check_max_new_tokens,
+    check_seed,
+    normalize_prompts,
+    resolve_stop_tokens,
+)
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
@@ -29,6 +38,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     params = SamplingParams(temperature, top_k, top_p)
     check_seed(seed)
     check_max_new_tokens(max_new_tokens)
+    check_callable("on_tokens", on_tokens, GenerationError)
     check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
     batch, single = normalize_prompts(model, prompts)
     stops = resolve_stop_tokens(model, stop_tokens)
