@@ -12,14 +12,40 @@ from the registry:
   (over-weights the tokens the draft already likes);
 - "always-accept": accept every draft token (the output is the draft's);
 - "unprocessed-q": a model draft samples from its processed q but reports its raw
-  softmax (temperature 1, no top-k / top-p) to the acceptance step;
+  softmax (temperature 1, no top-k / top-p) to the acceptance step. This is
+  transformers' candidate generators (DFlash, MTP) after assisted generation was
+  fixed (huggingface/transformers issue #47932): drawn from the processor-applied
+  logits, returned as raw logits, so the ratio p/q is inflated wherever top-k or
+  top-p cut q's support;
 - "greedy-draft": a model draft proposes its argmax but reports its processed
   softmax as q, so the acceptance step divides by a q the token was not drawn
   from. This is the bug transformers 4.41-4.44 shipped for assisted generation
   with do_sample=True (huggingface/transformers issue #32867, fixed by PR #33534):
   the draft's argmax is accepted with probability min(1, p/q) and every other
   token can only come from the residual, so the output leans toward the draft's
-  favourite token whenever the draft is not one-hot.
+  favourite token whenever the draft is not one-hot;
+- "target-at-t1": the acceptance step and the residual use the target's raw softmax
+  (temperature 1, no top-k / top-p) while the draft sampled with the request's
+  settings: vLLM before 0.6.4 (vllm-project/vllm issue #9834, fixed by PR #10198
+  "apply sampling parameters to target probabilities"). Here the bonus token comes
+  from the same unprocessed p;
+- "residual-drafted-only": after a rejection the residual max(0, p - q) subtracts q
+  at the drafted token only, leaving p elsewhere: xLLM's rejection sampler before
+  xLLM-AI/xllm PR #2175 (its "(p - q)+ residual only subtracts draft mass at the
+  single drafted token, not the full draft distribution");
+- "argmax": the target's draws (the token after a rejection, the bonus token) take
+  the most likely token of the distribution they should sample: mistral.rs's
+  `sample_speculative_top_kp_min_p`, which filtered the distribution and returned its
+  argmax (EricLBuehler/mistral.rs PR #2424, "make speculative sampling actually
+  sample");
+- "one-hot-q": a model draft samples its token from q but reports a deterministic
+  proposer's q, one-hot on its argmax, and a token the reported q gives no mass is
+  rejected (as vLLM's kernel does with `draft_prob > 0`): sampled drafts handed to a
+  verifier that assumes greedy drafting, the class vLLM PR #41044 fixed for MTP
+  drafts (`draft_probs=None` with non-greedy draft sampling). One-hot on the token
+  actually drafted is exact, not a bug: accepting with p(x) and resampling from p
+  without x gives p for any proposal (tests/test_speculative_mc.py checks it); it
+  only lowers the acceptance, which is what that PR's speedup recovered.
 
 At temperature 0 only "always-accept" differs from exact: with one-hot p and q
 the residual is p, and a one-hot draw reports the same q either way (and a
@@ -28,9 +54,11 @@ control cannot show at all, `Control.silent` says why."""
 
 from __future__ import annotations
 
+import torch
+
 from .drafters import PromptLookupDrafter
 from .sampling import SamplingParams, sample_rows
-from .speculative import SAMPLERS, ExactSampler
+from .speculative import SAMPLERS, ExactSampler, residual
 
 
 class Control(ExactSampler):
@@ -64,7 +92,8 @@ class AlwaysAccept(Control):
 
 
 class BrokenDraw(Control):
-    """A control that breaks a model draft's draw: prompt lookup's q is one-hot whatever the settings."""
+    """A control that needs a model draft's q (breaking its draw or how q is used): prompt lookup's q is one-hot
+    whatever the settings."""
 
     def silent(self, draft, params: SamplingParams) -> list[str]:
         if isinstance(draft, (str, PromptLookupDrafter)):
@@ -92,10 +121,60 @@ class GreedyDraft(BrokenDraw):
         return probs.argmax(-1).tolist(), probs  # proposes the argmax, reports the distribution it did not draw from
 
 
+class TargetAtT1(Control):
+    name = "target-at-t1"
+
+    def target_probs(self, logits, params):
+        return logits.float().softmax(-1)  # the request's temperature, top-k and top-p never reach the target
+
+    def silent(self, draft, params: SamplingParams) -> list[str]:
+        plain = params.temperature == 1 and params.top_k is None and params.top_p is None
+        return ["target-at-t1 has no effect here: at temperature 1 without top-k/top-p the processed p is the raw "
+                "softmax"] if plain else []
+
+
+class ResidualDraftedOnly(BrokenDraw):
+    name = "residual-drafted-only"
+
+    def verify(self, draft_tokens, q, p, uniforms):
+        n, nxt = super().verify(draft_tokens, q, p, uniforms)
+        if n < len(draft_tokens):  # rejected at position n: subtract q at the drafted token only
+            d, r = draft_tokens[n], p[n].double().clone()
+            r[d] = max(0.0, float(p[n, d]) - float(q[n, d]))
+            nxt = sample_rows((r / r.sum()).unsqueeze(0), uniforms[len(draft_tokens):])[0]
+        return n, nxt
+
+
+class ArgMax(Control):
+    name = "argmax"
+
+    def verify(self, draft_tokens, q, p, uniforms):
+        n, _ = super().verify(draft_tokens, q, p, uniforms)
+        dist = residual(p[n], q[n]) if n < len(draft_tokens) else p[n]
+        return n, int(dist.argmax())  # the distribution built, then its most likely token instead of a draw
+
+
+class OneHotQ(BrokenDraw):
+    name = "one-hot-q"
+
+    def draw(self, logits, probs, u):
+        tokens, _ = super().draw(logits, probs, u)
+        return tokens, torch.zeros_like(probs).scatter_(-1, probs.argmax(-1, keepdim=True), 1.0)
+
+    def verify(self, draft_tokens, q, p, uniforms):
+        k = len(draft_tokens)
+        for i, d in enumerate(draft_tokens):
+            if float(q[i, d]) > 0 and float(uniforms[i]) < float(p[i, d]) / float(q[i, d]):
+                continue
+            return i, sample_rows(residual(p[i], q[i]).unsqueeze(0), uniforms[k:])[0]
+        return k, sample_rows(p[k].unsqueeze(0), uniforms[k:])[0]
+
+
 def register(*samplers: ExactSampler) -> None:
     for s in samplers:
         SAMPLERS[s.name] = s
 
 
-register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft())
+register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft(), TargetAtT1(), ResidualDraftedOnly(), ArgMax(),
+         OneHotQ())
 CONTROLS = tuple(name for name, s in SAMPLERS.items() if isinstance(s, Control))  # the names, in that order

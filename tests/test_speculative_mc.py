@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minispec import SamplingParams, Transformer
+from minispec.controls import BrokenDraw
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
@@ -149,6 +150,11 @@ NEGATIVE = [  # (sampler, draft, k, temperature, top_k): settings where the bug 
     # the draft's argmax with its softmax as q (transformers 4.41-4.44): at temperature 1 the truncated draft is far
     # from one-hot, so its argmax is accepted far more often than p gives it
     ("greedy-draft", "truncated", 2, 1.0, None),
+    # the historical bug classes (minispec.controls names each one's engine and issue)
+    ("target-at-t1", "truncated", 2, 0.7, 3),  # vLLM #9834: the target's p at temperature 1, unfiltered
+    ("residual-drafted-only", "small", 3, 0.5, 2),  # xLLM PR #2175: max(0, p - q) at the drafted token only
+    ("argmax", "truncated", 2, 1.0, None),  # mistral.rs PR #2424: the target's "sample" is its argmax
+    ("one-hot-q", "truncated", 2, 1.0, None),  # vLLM PR #41044: a sampled draft verified as a greedy one
 ]
 
 
@@ -158,6 +164,23 @@ def test_broken_samplers_are_rejected(models, sampler, draft, k, temperature, to
     p_broken, _ = run(models, draft, k, temperature, top_k, sampler=sampler)
     assert p_exact > 1e-4, f"the exact sampler fails these settings: p = {p_exact:.3g}"
     assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
+
+
+class OneHotOwnToken(BrokenDraw):
+    """A sampled draft reporting q one-hot on the token it drew: looks like a bug, and is exact (accept with p(x),
+    else resample from p without x, gives p for any proposal), so it is no negative control."""
+    name = "one-hot-own-token"
+
+    def draw(self, logits, probs, u):
+        tokens, _ = super().draw(logits, probs, u)
+        return tokens, torch.zeros_like(probs).scatter_(-1, torch.tensor(tokens).unsqueeze(-1), 1.0)
+
+
+@pytest.mark.parametrize("draft,k,temperature,top_k", [("truncated", 2, 1.0, None), ("small", 3, 0.5, 2)])
+def test_a_sampled_draft_with_one_hot_q_on_its_own_token_is_exact(models, draft, k, temperature, top_k):
+    p, stats = run(models, draft, k, temperature, top_k, sampler=OneHotOwnToken())
+    assert stats.drafted > 0 and 0 < stats.acceptance_rate < 1
+    assert p > 1e-4, f"q one-hot on the drafted token should be exact: p = {p:.3g}"
 
 
 # an int4 target (a GGUF's kept quantization), drafted by its own float original and by an unrelated model
