@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -96,15 +97,15 @@ OPTIONS = {"CMAKE_BUILD_TYPE": "Release", "LLAMA_CURL": "OFF", "LLAMA_OPENSSL": 
            "LLAMA_BUILD_NUMBER": "0", "LLAMA_BUILD_COMMIT": f"{PACKAGE}-{VERSION}"}
 
 
-def _configured(cache: Path) -> bool:
-    """Whether the build tree's CMakeCache.txt holds every one of OPTIONS."""
+def _configured(cache: Path, options: dict[str, str] | None = None) -> bool:
+    """Whether the build tree's CMakeCache.txt holds every one of `options` (default OPTIONS)."""
     if not cache.is_file():
         return False
     have = {}
     for line in cache.read_text(errors="replace").splitlines():
         name, _, value = line.partition("=")
         have[name.split(":")[0]] = value
-    return all(have.get(k) == v for k, v in OPTIONS.items())
+    return all(have.get(k) == v for k, v in (OPTIONS if options is None else options).items())
 
 
 def build(src: Path, out: Path, jobs: int = 2) -> Path:
@@ -217,6 +218,13 @@ def _tail(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def _cause(text: str) -> str:
+    """Why a llama.cpp program failed, from its log: minispec's reading of its error lines (the package is
+    imported here, not at the top: building llama.cpp needs none of it)."""
+    from minispec.equivalence.llama_server import log_cause
+    return log_cause(text)
+
+
 def program(name: str, bin_path: Path | None = None) -> Path:
     """The built llama.cpp program `name`, or a DriverError saying how to build it."""
     path = (bin_path or BUILD / "out" / "bin") / name
@@ -253,7 +261,7 @@ def prompt_ids(bin_path: Path | None, model: Path, prompt: str, threads: int) ->
                        env=log_flush_env(bin_path))
     if r.returncode != 0:
         raise DriverError(f"llama-completion could not tokenize the prompt (exit status {r.returncode}): "
-                          f"{_tail(r.stderr)}")
+                          f"{_cause(r.stderr)}")
     m = re.search(r"number of tokens in prompt = (\d+)\n", r.stderr)
     if not m:
         raise DriverError(f"llama-completion printed no prompt tokens (last line: {_tail(r.stderr)})")
@@ -293,22 +301,43 @@ def sample_seed(seed: int, g: int) -> int:
     return int.from_bytes(digest[:8], "little") % (2**32 - 1)  # 0xFFFFFFFF means "random" to llama.cpp
 
 
-def _resume(out: Path, settings: dict) -> int:
-    """How many samples `out` already holds for these settings (0 when absent); a partly written last line is
-    cut off. A file with other settings is refused rather than mixed."""
-    if not out.is_file() or out.stat().st_size == 0:
-        out.write_text(json.dumps(settings) + "\n")
+def _is_sample(line: str, prompt: list[int], tokens: int) -> bool:
+    """A line this run writes: {"prompt": the prompt's ids, "tokens": `tokens` integer ids}."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    new = row.get("tokens") if isinstance(row, dict) else None
+    return (row.get("prompt") == prompt and isinstance(new, list) and len(new) == tokens
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in new))
+
+
+def _resume(out: Path, settings: dict, prompt: list[int], tokens: int) -> int:
+    """How many samples `out` already holds for these settings (0 when absent or empty: the settings line is
+    written with the first sample, so a run that draws none leaves no file); a partly written last line is cut
+    off. A file with other settings, or holding a line that is not one of this run's samples, is refused rather
+    than counted or mixed."""
+    from minispec.equivalence.samples import open_regular
+    if not out.exists() or out.stat().st_size == 0:
         return 0
-    data = out.read_bytes()
+    try:
+        with open_regular(out, "--out", DriverError) as f:
+            data = f.read()
+    except OSError as e:
+        raise DriverError(f"cannot read --out {out}: {e.strerror or e}") from None
     keep = data[:data.rfind(b"\n") + 1]  # a line without its newline was being written when the run stopped
     lines = keep.decode("utf-8", errors="replace").splitlines()
     try:
         first = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
+    except ValueError:
         first = None
     if first != settings:
         raise DriverError(f"{out} holds samples with other settings (or is not a samples file); give another --out "
                           "or remove it")
+    bad = next((no for no, line in enumerate(lines[1:], 2) if not _is_sample(line, prompt, tokens)), None)
+    if bad is not None:
+        raise DriverError(f"{out} line {bad} is not a sample of this run ({tokens} token ids after the prompt's "
+                          f"{len(prompt)}); remove that line to continue, or give another --out")
     if len(keep) != len(data):
         with open(out, "r+b") as f:
             f.truncate(len(keep))
@@ -321,6 +350,8 @@ def speculative_samples(target: Path, draft: Path, prompt: str, out: Path, sampl
     """Run llama-speculative once per sample (sample g seeded sample_seed(seed, g)) and append each sample's first
     `tokens` ids to `out` (flushed and synced line by line, so an interrupted run keeps what it wrote and a rerun with
     the same settings continues). Returns the number of samples drawn by this call."""
+    from minispec.equivalence.samples import check_output_path
+    check_output_path(out, "--out", DriverError)
     binary = program("llama-speculative", bin_path)
     for what, path in (("target", target), ("draft", draft)):
         if not Path(path).is_file():
@@ -331,31 +362,37 @@ def speculative_samples(target: Path, draft: Path, prompt: str, out: Path, sampl
                 "model": Path(target).name, "draft": Path(draft).name, "prompt_text": prompt, "seed": seed,
                 "seeds": "sha256(seed, g)", "k": k,
                 "samplers": SAMPLERS, "ignore_eos": True}
-    done = _resume(out, settings)
+    done = _resume(out, settings, ids, tokens)
     env = log_flush_env(bin_path)
     ctx = -(-(len(ids) + tokens + 2 * (k + 1) + 16) // 64) * 64  # it runs past -n by up to one round of drafts
     from tqdm import tqdm
 
     bar = tqdm(total=samples, initial=min(done, samples), unit="sample", disable=not progress,
                desc="llama-speculative")
+    f = None
     try:
-        with open(out, "a", encoding="utf-8") as f:
-            for g in range(done, samples):
-                cmd = speculative_command(binary, target, draft, prompt, tokens, temperature, top_k, top_p, k,
-                                          sample_seed(seed, g), threads, ctx)
-                r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
-                                   env=env)
-                if r.returncode != 0:
-                    raise DriverError(f"llama-speculative failed on sample {g} (exit status {r.returncode}): "
-                                      f"{_tail(r.stderr)}")
-                new = emitted_ids(r.stderr)
-                if len(new) < tokens:  # eos is masked, so only a run stopped short gets here
-                    raise DriverError(f"llama-speculative emitted {len(new)} tokens on sample {g}, asked for {tokens}")
-                f.write(json.dumps({"prompt": ids, "tokens": new[:tokens]}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-                bar.update(1)
+        for g in range(done, samples):
+            cmd = speculative_command(binary, target, draft, prompt, tokens, temperature, top_k, top_p, k,
+                                      sample_seed(seed, g), threads, ctx)
+            r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                               env=env)
+            if r.returncode != 0:
+                raise DriverError(f"llama-speculative failed on sample {g} (exit status {r.returncode}): "
+                                  f"{_cause(r.stderr)}")
+            new = emitted_ids(r.stderr)
+            if len(new) < tokens:  # eos is masked, so only a run stopped short gets here
+                raise DriverError(f"llama-speculative emitted {len(new)} tokens on sample {g}, asked for {tokens}")
+            if f is None:  # opened with the first sample drawn: a run that draws none leaves no file behind
+                f = open(out, "a", encoding="utf-8")  # noqa: SIM115 - closed below
+                if g == 0:
+                    f.write(json.dumps(settings, allow_nan=False) + "\n")
+            f.write(json.dumps({"prompt": ids, "tokens": new[:tokens]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(1)
     finally:
+        if f is not None:
+            f.close()
         bar.close()
     return max(0, samples - done)
 
@@ -382,16 +419,17 @@ def speculative_main(argv: list[str]) -> int:
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     bad = ("--samples must be >= 1" if a.samples < 1 else "--tokens must be >= 1" if a.tokens < 1 else
-           "--temperature must be >= 0" if not a.temperature >= 0 else "--top-k must be >= 0" if a.top_k < 0 else
+           "--temperature must be a finite number >= 0" if not 0 <= a.temperature < math.inf else
+           "--top-k must be >= 0" if a.top_k < 0 else
            "--top-p must be in (0, 1]" if not 0 < a.top_p <= 1 else "--k must be >= 1" if a.k < 1 else
            "--threads must be >= 1" if a.threads < 1 else "--seed must be >= 0" if a.seed < 0 else None)
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     prompt = a.prompt
+    sys.path.insert(0, str(ROOT))  # minispec from this checkout: its tokenizer, the samples file's checks
     try:
         if a.chat is not None:
-            sys.path.insert(0, str(ROOT))
             from minispec.tokenizer import load_tokenizer
 
             tok = load_tokenizer(a.chat)
