@@ -5,11 +5,14 @@ from .adaptive import AdaptiveK
 from .cache import BlockAllocator, CacheExhausted, PagedKVCache
 from .checkpoint import CheckpointError
 from .config import ModelConfig
+from .draft_loader import load_draft
 from .drafters import Drafter, PromptLookupDrafter
+from .feature_draft import FeatureDrafter
 from .model import Transformer
 from .sampling import SamplingParams
 from .speculative import SpeculativeResult, SpeculativeStats
 
-__all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "ModelConfig", "PagedKVCache",
-           "PromptLookupDrafter", "SamplingParams", "SpeculativeResult", "SpeculativeStats", "Transformer"]
+__all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "FeatureDrafter",
+           "ModelConfig", "PagedKVCache", "PromptLookupDrafter", "SamplingParams", "SpeculativeResult",
+           "SpeculativeStats", "Transformer", "load_draft"]
 __version__ = "0.1.0"

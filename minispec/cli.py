@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import draft_loader
 from .config import DTYPES
 from .drafters import PROMPT_LOOKUP
 from .equivalence import (
@@ -37,7 +38,7 @@ from .equivalence import (
 )
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
 from .equivalence.llama_server import LlamaServer, ServerClient, context_size, server_samples
-from .errors import MAX_SEED, InputError, check_compatible, one_line, resolve_device
+from .errors import MAX_SEED, InputError, one_line, resolve_device
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
 from .threads import fixed_threads
@@ -163,19 +164,10 @@ def load_target(path: str, device, dtype: str | None = None) -> Transformer:
     return Transformer.from_pretrained(path, device=device, dtype=DTYPES[dtype] if dtype else None)
 
 
-def load_draft(path: str, device, target: Transformer, dtype: str | None = None) -> Transformer:
-    """A draft in `dtype` ("int4": int4 products), or as its config.json says (int4 on a CPU) or as stored, except
-    that a bfloat16 draft (SmolLM2's) computes in the target's dtype on a CPU, where bf16 has no fast kernels on
-    most machines (docs/benchmarks.md, "bf16 target"). The output stays the target's."""
-    if dtype == "int4":
-        if torch.device(device or "cpu").type != "cpu":
-            raise CLIError(f"--draft-dtype int4 runs on a CPU, not {device}")
-        return Transformer.from_pretrained(path, device=device, int4=True)
-    draft = Transformer.from_pretrained(path, device=device, dtype=DTYPES[dtype] if dtype else None,
-                                        int4=False if dtype else None)
-    if dtype is None and draft.dtype == torch.bfloat16 and draft.device.type == "cpu":
-        draft = draft.to(target.dtype)
-    return draft
+def load_draft(path: str, device, target: Transformer, dtype: str | None = None):
+    """minispec.load_draft (any draft directory the project writes, checked against the target), in the order of
+    the command line's arguments."""
+    return draft_loader.load_draft(path, target, dtype, device)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -197,7 +189,6 @@ def run_generate(args: argparse.Namespace) -> int:
         draft = PROMPT_LOOKUP
     elif args.draft is not None:
         draft = load_draft(args.draft, device, target, args.draft_dtype)
-        check_compatible(target, draft)
 
     stream = tok.decoder_stream(skip_special_tokens=True)
 

@@ -22,10 +22,13 @@ class CachedRows:
     Between rounds a row's cache holds its committed tokens except `pending` ones; at least the last
     committed token stays pending, because feeding it is what yields the next position's logits. Rows
     that share a prompt share its prefill: it runs once and the blocks are forked (copy-on-write).
+
+    on_hidden(rows, states): given, every pass (the prefill and each feed) also reports the model's final hidden
+    states for the tokens it was fed, per row (see Drafter.see_hidden): how speculate hands a drafter the target's.
     """
 
-    def __init__(self, model, prompts: dict[int, list[int]], block_size: int):
-        self.model = model
+    def __init__(self, model, prompts: dict[int, list[int]], block_size: int, on_hidden: Callable | None = None):
+        self.model, self.on_hidden = model, on_hidden
         unique: dict[tuple, list[int]] = {}
         for row, p in prompts.items():
             unique.setdefault(tuple(p), []).append(row)
@@ -35,7 +38,12 @@ class CachedRows:
         self.fed: dict[int, list[int]] = {}  # row -> tokens fed after its pending ones this round
         parents = {p: self.cache.new_sequence() for p in unique if len(p) > 1}
         if parents:  # one prefill of prompt[:-1] per distinct prompt
-            model.step(self.cache, list(parents.values()), [list(p[:-1]) for p in parents])
+            h = model.step(self.cache, list(parents.values()), [list(p[:-1]) for p in parents],
+                           hidden=on_hidden is not None)
+            if on_hidden is not None:
+                of = {p: h[b, :len(p) - 1] for b, p in enumerate(parents)}
+                rows = [r for p, rs in unique.items() if p in of for r in rs]
+                on_hidden(rows, [of[tuple(prompts[r])] for r in rows])
         for p, rows in unique.items():
             for r in rows:
                 self.seq[r] = self.cache.fork(parents[p]) if p in parents else self.cache.new_sequence()
@@ -51,7 +59,16 @@ class CachedRows:
             lists.append(self.pending[r] + t)
             self.pending[r] = []
             self.fed.setdefault(r, []).extend(t)
-        return self.model.step(self.cache, [self.seq[r] for r in rows], lists, all_logits=all_logits, hidden=hidden)
+        seqs = [self.seq[r] for r in rows]
+        if self.on_hidden is None:
+            return self.model.step(self.cache, seqs, lists, all_logits=all_logits, hidden=hidden)
+        h = self.model.step(self.cache, seqs, lists, hidden=True)
+        self.on_hidden(rows, [h[b, :len(t)] for b, t in enumerate(lists)])
+        if hidden:
+            return h
+        if all_logits:
+            return self.model.logits(h).float()
+        return self.model.logits(h[torch.arange(len(rows)), torch.tensor([len(t) - 1 for t in lists])]).float()
 
     def commit(self, row: int, new_tokens: list[int]) -> None:
         """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest."""
@@ -87,9 +104,19 @@ class Drafter:
     commit(row, tokens): the round committed these tokens to the row.
     finish(row, keep): the row is done; release it unless keep.
     steps: the draft forward passes the last propose() ran (what k="auto" divides its time by).
+    reads_hidden, see_hidden(rows, states): the one hook through which a drafter reads the target's features.
+        A drafter with reads_hidden True is handed the target's final (normed) hidden states for the tokens
+        the target was just fed: once for the prompt's prefill (every prompt token but the last), then after
+        each verify pass (the row's pending tokens, then its drafts), before commit(); states[j] is a
+        (n_j, dim) tensor for rows[j], in position order, the state at position i predicting token i+1.
+        Those of rejected drafts are the drafter's to drop at commit(). They cost no extra target work.
     """
 
     steps = 0
+    reads_hidden = False
+
+    def see_hidden(self, rows, states) -> None:
+        pass
 
     def start(self, prompts, params, block_size, vocab_size) -> None:
         raise NotImplementedError
@@ -111,6 +138,16 @@ Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "tuple[list[int], to
 def draw_exact(logits: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """A model draft's draw: each row's token from its processed distribution, which is the q reported."""
     return sample_rows(probs, u), probs
+
+
+def draw_step(logits: torch.Tensor, params: SamplingParams, gens: list, draw: Draw = draw_exact):
+    """One draft step for a batch: logits (B, V) -> (B tokens, (B, V) q), or (argmaxes, None) when greedy (q is
+    then one-hot on them). Each row's uniform comes from its own generator, gens[b]."""
+    if params.greedy:
+        return logits.argmax(-1).tolist(), None
+    probs = logits_to_probs(logits, params).double().cpu()  # (B, V)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])
+    return draw(logits, probs, u)
 
 
 class ModelDrafter(Drafter):
@@ -141,12 +178,7 @@ class ModelDrafter(Drafter):
         for j in range(self.steps):
             live = [r for r in rows if ks[r] > j]
             logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
-            if self.params.greedy:
-                picks, q = logits.argmax(-1).tolist(), None
-            else:
-                probs = logits_to_probs(logits, self.params).double().cpu()  # (B, V)
-                u = torch.stack([torch.rand((), generator=gens[r], dtype=torch.float64) for r in live])
-                picks, q = self.draw(logits, probs, u)
+            picks, q = draw_step(logits, self.params, [gens[r] for r in live], self.draw)
             for b, (r, d) in enumerate(zip(live, picks)):
                 tokens[r].append(d)
                 if q is not None:

@@ -219,8 +219,8 @@ class Verdict:
     accepted: list[int]  # per row: how many drafts were accepted
     next_tokens: list[int]  # per row: the token drawn after them (the correction, or the bonus token)
     # The target's final hidden states of the verify pass, (rows, T, dim): row b's pass holds its pending tokens
-    # then its drafts, so its drafts' states start at index n_pending[b]. The place where a drafter that reads the
-    # target's states would be handed them (at commit); nothing keeps them after the round.
+    # then its drafts, so its drafts' states start at index n_pending[b]. A drafter that reads the target's states
+    # has had them already, through Drafter.see_hidden; nothing keeps them after the round.
     hidden: torch.Tensor
     n_pending: list[int]  # per row: the tokens fed before its drafts (at least the last committed one)
 
@@ -236,8 +236,11 @@ class _Run:
         self.keep_caches, self.stats = keep_caches, stats
         self.out: list[list[int]] = [[] for _ in batch]
         live_prompts = {i: batch[i] for i in active}
-        self.tgt = CachedRows(target, live_prompts, block_size)
         drafter.start(live_prompts, params, block_size, target.config.vocab_size)
+        # the one hook through which a drafter reads the target's features (Drafter.see_hidden): the target's rows
+        # report the states of every pass, the prefill's and each verify pass's, as they compute them
+        self.tgt = CachedRows(target, live_prompts, block_size, on_hidden=drafter.see_hidden if drafter.reads_hidden
+                              else None)
         self.gens = make_generators(seed, len(batch))
         self.contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
 

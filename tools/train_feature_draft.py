@@ -1,0 +1,248 @@
+"""Train a feature draft (minispec.feature_draft) for a target, from the target's own hidden states.
+
+    python tools/train_feature_draft.py collect --target DIR [--run RUN] [--gen 32] [--src 400] [--minutes M]
+    python tools/train_feature_draft.py train   --target DIR [--run RUN] [--steps N] [--minutes M] [--seed 0]
+    python tools/train_feature_draft.py export  --target DIR [--run RUN] --out DIR
+    python tools/train_feature_draft.py all     --target DIR --out DIR [--collect-minutes M] [--train-minutes M]
+
+collect (tools/feature_data.py): the target's states over its own greedy answers to the train code prompts
+and over site-packages source, into RUN/data. train: the draft's layer learns, at position i, from the
+target's state f_i and the embedding of token i+1, to predict f_{i+1} (smooth L1, as EAGLE) and the target's
+top-k distribution of token i+2 through its head (cross-entropy, renormalised over the draft vocabulary); the
+head (the target's own rows for the draft vocabulary) and the embedding stay frozen. Checkpoints (weights,
+optimizer, data position, RNG) go to RUN/ckpt.pt through the distiller's atomic writer and weights-only
+reader (tools/distill/checkpoint.py); a restart resumes where it stopped and the same seed gives the same
+weights. Every stage resumes: kill it and run the same command again. Run it under `nice` on a shared CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from feature_data import collect, read_sequences
+from tqdm import tqdm
+
+from minispec import ModelConfig, Transformer
+from minispec.feature_draft import FeatureDraft, build_feature_draft
+
+from distill.checkpoint import load_checkpoint, save_checkpoint  # tools/ is on sys.path when this runs as a script
+from draft_head import head_ids as frequent_head_ids
+
+RUN = "runs/feature-draft"
+PROMPTS = "data/distill/prompts.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    head_vocab: int = 8192  # the draft vocabulary: the most frequent tokens of the data, then the lowest ids
+    dim: int | None = None  # the layer's width (default: the target's)
+    ffn_dim: int | None = None  # its SwiGLU width (default: a sixth of the target's)
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    feature_weight: float = 1.0  # smooth-L1 on the predicted state, beside the token cross-entropy
+    batch: int = 4  # sequences per step
+    seed: int = 0
+
+
+def training_examples(target: Transformer, data_dir: Path) -> list[dict]:
+    """Each sequence as tensors: states (T, D) float32, embeds (T, D) of the tokens, top ids and probs (T, K)."""
+    out = []
+    with torch.no_grad():
+        for s in read_sequences(data_dir):
+            if len(s["tokens"]) < 3:
+                continue
+            tokens = torch.from_numpy(s["tokens"].astype(np.int64))
+            out.append({"name": s["name"], "states": torch.from_numpy(s["states"]).float(),
+                        "embeds": target.embed_tokens(tokens).float(), "tokens": tokens,
+                        "top_ids": torch.from_numpy(s["top_ids"].astype(np.int64)),
+                        "top_p": torch.from_numpy(s["top_logp"]).float().exp()})
+    return out
+
+
+def is_validation(i: int) -> bool:
+    return i % 20 == 7  # a fixed 5% of the sequences, never trained on
+
+
+def make_batch(examples: list[dict], index: torch.Tensor) -> dict:
+    """Entries i = 0..T-2 of each sequence (state i, embedding of token i+1), right-padded; targets: the state
+    i+1 and the target's top-k of token i+2 in draft-vocabulary rows (-1: outside it)."""
+    T = max(len(e["tokens"]) for e in examples) - 1
+    B, D, K = len(examples), examples[0]["states"].shape[1], examples[0]["top_ids"].shape[1]
+    b = {"states": torch.zeros(B, T, D), "embeds": torch.zeros(B, T, D), "next": torch.zeros(B, T, D),
+         "ids": torch.zeros(B, T, K, dtype=torch.long), "p": torch.zeros(B, T, K), "top1": torch.full((B, T), -2),
+         "valid": torch.zeros(B, T, dtype=torch.bool)}
+    for j, e in enumerate(examples):
+        n = len(e["tokens"]) - 1
+        b["states"][j, :n], b["embeds"][j, :n], b["next"][j, :n] = e["states"][:n], e["embeds"][1:], e["states"][1:]
+        ids = index[e["top_ids"][1:]]
+        b["ids"][j, :n] = ids.clamp_min(0)
+        p = e["top_p"][1:] * (ids >= 0)  # mass outside the draft vocabulary cannot be learned: dropped
+        b["p"][j, :n] = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        b["top1"][j, :n] = ids[:, 0]
+        b["valid"][j, :n] = True
+    return b
+
+
+def loss_of(draft: FeatureDraft, b: dict, feature_weight: float) -> tuple[torch.Tensor, dict]:
+    pred = draft.forward_states(b["states"], b["embeds"])
+    logq = torch.log_softmax(F.linear(pred, draft.lm_head.weight).float(), -1)
+    v = b["valid"]
+    n = v.sum().clamp_min(1)
+    ce = (-(b["p"] * logq.gather(-1, b["ids"])).sum(-1) * v).sum() / n
+    reg = (F.smooth_l1_loss(pred, b["next"], reduction="none").mean(-1) * v).sum() / n
+    agree = ((logq.argmax(-1) == b["top1"]) & v).sum() / n
+    return ce + feature_weight * reg, {"ce": ce.item(), "reg": reg.item(), "agree": agree.item()}
+
+
+def optimizer(draft: FeatureDraft, cfg: TrainConfig) -> torch.optim.Optimizer:
+    draft.lm_head.weight.requires_grad_(False)  # the target's own rows: frozen, as EAGLE keeps the target's head
+    params = [p for p in draft.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def epoch_order(n: int, epoch: int, batch: int, seed: int) -> list[list[int]]:
+    idx = np.random.default_rng(seed + epoch).permutation(n).tolist()
+    return [idx[i:i + batch] for i in range(0, n, batch)]
+
+
+def new_draft(target: Transformer, examples: list[dict], cfg: TrainConfig) -> FeatureDraft:
+    counts = [t for e in examples for t in e["top_ids"][:, 0].tolist()]
+    ids = frequent_head_ids(target.config, target.tokenizer, min(cfg.head_vocab, target.config.vocab_size - 1), counts)
+    return build_feature_draft(target, ids, dim=cfg.dim, ffn_dim=cfg.ffn_dim, seed=cfg.seed)
+
+
+def draft_from_state(state: dict) -> FeatureDraft:
+    mc = state["model_config"]
+    draft = FeatureDraft(ModelConfig.from_dict(mc["layer"]), mc["target_dim"])
+    draft.load_state_dict(state["model"])
+    return draft
+
+
+def train(target: Transformer, run_dir: Path, cfg: TrainConfig, steps: int | None = None,
+          minutes: float | None = None, ckpt_minutes: float = 3.0, progress: bool = True) -> FeatureDraft:
+    """Train until `steps` optimizer steps in all (or `minutes` of this call), resuming RUN/ckpt.pt if there."""
+    t0 = time.time()
+    examples = training_examples(target, run_dir / "data")
+    if not examples:
+        raise ValueError(f"no training data in {run_dir / 'data'}; run the collect stage first")
+    train_set = [e for i, e in enumerate(examples) if not is_validation(i)]
+    val_set = [e for i, e in enumerate(examples) if is_validation(i)]
+    ckpt = run_dir / "ckpt.pt"
+    rng_before = torch.get_rng_state()
+    if ckpt.is_file():
+        state = load_checkpoint(ckpt)
+        cfg = TrainConfig(**state["train_config"])
+        draft = draft_from_state(state)
+        opt = optimizer(draft, cfg)
+        opt.load_state_dict(state["optimizer"])
+        step, epoch, order, pos, best = state["step"], state["epoch"], state["order"], state["pos"], state["best"]
+        torch.set_rng_state(state["rng"])
+    else:
+        draft = new_draft(target, examples, cfg)
+        opt = optimizer(draft, cfg)
+        step, epoch, order, pos, best = 0, 0, None, 0, -1.0
+        torch.manual_seed(cfg.seed)
+    index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    index[draft.head_ids] = torch.arange(len(draft.head_ids))
+
+    def save() -> None:
+        save_checkpoint(ckpt, {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                               "epoch": epoch, "order": order, "pos": pos, "best": float(best),
+                               "rng": torch.get_rng_state(), "train_config": asdict(cfg),
+                               "model_config": {"layer": draft.config.to_dict(), "target_dim": draft.target_dim}})
+
+    draft.train()
+    bar = tqdm(total=steps, initial=step, desc="train", unit="step", file=sys.stderr, disable=not progress)
+    last_ckpt, metrics = time.time(), {}
+    while (steps is None or step < steps) and (minutes is None or time.time() - t0 < 60 * minutes):
+        if order is None or pos >= len(order):
+            order, pos = epoch_order(len(train_set), epoch, cfg.batch, cfg.seed), 0
+            epoch += 1
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        loss, metrics = loss_of(draft, make_batch([train_set[i] for i in order[pos]], index), cfg.feature_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step, pos = step + 1, pos + 1
+        bar.update(1)
+        bar.set_postfix(ce=f"{metrics['ce']:.3f}", agree=f"{metrics['agree']:.3f}", refresh=False)
+        if time.time() - last_ckpt > 60 * ckpt_minutes:
+            save()
+            last_ckpt = time.time()
+    bar.close()
+    draft.eval()
+    if val_set:
+        with torch.no_grad():
+            _, val = loss_of(draft, make_batch(val_set, index), cfg.feature_weight)
+        best = val["agree"]
+        print(f"step {step}: validation top-1 agreement {val['agree']:.3f}, ce {val['ce']:.3f}", file=sys.stderr)
+    save()
+    torch.set_rng_state(rng_before)  # the caller's RNG as it was
+    return draft
+
+
+def export(target: Transformer, run_dir: Path, out: str) -> None:
+    state = load_checkpoint(run_dir / "ckpt.pt")
+    draft = draft_from_state(state)
+    meta = {"step": state["step"], "validation_top1_agreement": state["best"], **state["train_config"]}
+    draft.save(out, target.tokenizer.fingerprint if target.tokenizer else None, meta=meta)
+    print(f"wrote {out}: step {state['step']}, validation top-1 agreement {state['best']:.3f}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", choices=("collect", "train", "export", "all"))
+    ap.add_argument("--target", required=True, help="the target whose states the draft reads (fp32 is fastest)")
+    ap.add_argument("--run", default=RUN)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--prompts", default=PROMPTS)
+    ap.add_argument("--gen", type=int, default=32, help="code prompts the target answers")
+    ap.add_argument("--src", type=int, default=400, help="pieces of site-packages source, teacher-forced")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--collect-minutes", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--train-minutes", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    for name, f in TrainConfig.__dataclass_fields__.items():
+        if name not in ("dim", "ffn_dim"):
+            ap.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
+    ap.add_argument("--dim", type=int, default=None)
+    ap.add_argument("--ffn-dim", type=int, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    run_dir = Path(args.run)
+    try:
+        if args.stage in ("collect", "all"):
+            collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
+                    minutes=args.collect_minutes)
+        if args.stage == "collect":
+            return 0
+        target = Transformer.from_pretrained(args.target, dtype=torch.float32)
+        if args.stage in ("train", "all"):
+            cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
+            train(target, run_dir, cfg, args.steps, args.train_minutes)
+        if args.stage in ("export", "all"):
+            if args.out is None:
+                raise ValueError("export needs --out DIR")
+            export(target, run_dir, args.out)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
