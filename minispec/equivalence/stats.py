@@ -195,6 +195,133 @@ def analyse(u, alpha: float = 0.01, bins: int = 20, label: str = "") -> RunStats
     return RunStats(label, tests, adjusted, alpha)
 
 
+
 # ---------------------------------------------------------------------------
-# sampling and the target's own probabilities
+# two samples, no model: are the token counts of two runs alike?
 # ---------------------------------------------------------------------------
+
+MIN_EXPECTED = 5.0  # the chi-square's validity rule: every cell's expected count at least this
+PERMUTATIONS = 2000  # label permutations for the pooled test's p-value (its smallest possible value: 1 / 2001)
+
+
+def token_columns(tokens: np.ndarray, groups: np.ndarray, n_small: int, min_expected: float = MIN_EXPECTED):
+    """The contingency table's columns at one position: tokens (N,) of both runs and their prompt groups (N,) ->
+    (column of each sample (N,), number of columns). A (prompt, token) pair is its own column when the smaller run
+    expects at least `min_expected` of it (n_small * its share of both runs); the rarer pairs share one column,
+    which joins the smallest kept column when it is still short of `min_expected`. The columns depend on both runs
+    together only, so relabelling samples between the runs keeps them."""
+    n = len(tokens)
+    keys, inverse, counts = np.unique(np.stack([groups, tokens], 1), axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.ravel()
+    kept = counts * n_small / n >= min_expected
+    order = np.argsort(-counts, kind="stable")  # kept columns by descending count: the smallest kept is last
+    col = np.full(len(keys), -1)
+    n_kept = int(kept.sum())
+    col[order[:n_kept]] = np.arange(n_kept)
+    rare = ~kept
+    if rare.any():
+        if counts[rare].sum() * n_small / n >= min_expected or n_kept == 0:
+            col[rare] = n_kept
+            n_kept += 1
+        else:
+            col[rare] = n_kept - 1
+    return col[inverse], max(n_kept, 1)
+
+
+def chi2_table(in_a: np.ndarray, total: np.ndarray, n_a: int, n: int) -> np.ndarray:
+    """Pearson's chi-square of 2 x K tables from run A's counts in_a (..., K) and both runs' totals (K,): the
+    homogeneity statistic, sum over cells of (observed - expected)^2 / expected."""
+    e_a = total * (n_a / n)
+    e_b = total - e_a
+    d = in_a - e_a  # run B's deviation is -d
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total > 0, d * d / np.maximum(e_a, 1e-300) + d * d / np.maximum(e_b, 1e-300), 0.0).sum(-1)
+
+
+@dataclass
+class TwoSample:
+    """Homogeneity of two runs' token counts, per position and pooled, Holm-adjusted over all of them."""
+    n_a: int
+    n_b: int
+    stats: list[float]  # chi-square per position, then the pooled statistic (their sum)
+    dfs: list[int]  # degrees of freedom per position (columns - 1); the pooled row: their sum
+    p: list[float]  # per position from the chi-square distribution; pooled by permutation
+    adjusted: list[float]
+    alpha: float
+    permutations: int
+    labels: tuple[str, str] = ("A", "B")
+
+    @property
+    def row_names(self) -> list[str]:
+        return [str(i + 1) for i in range(len(self.stats) - 1)] + ["all"]
+
+    @property
+    def min_adjusted(self) -> float:
+        return min(self.adjusted)
+
+    @property
+    def passed(self) -> bool:
+        return self.min_adjusted > self.alpha
+
+    def to_dict(self) -> dict:
+        rows = [{"position": w, "chi2": s, "df": d, "p": p, "p_holm": a}
+                for w, s, d, p, a in zip(self.row_names, self.stats, self.dfs, self.p, self.adjusted)]
+        return {"test": "chi-square homogeneity of token counts (rare tokens pooled), Holm over positions and pooled",
+                "runs": list(self.labels), "samples": [self.n_a, self.n_b], "passed": self.passed,
+                "min_p_holm": self.min_adjusted, "alpha": self.alpha, "pooled_permutations": self.permutations,
+                "rows": rows}
+
+
+def homogeneity(a, b, groups_a=None, groups_b=None, alpha: float = 0.01, permutations: int = PERMUTATIONS,
+                seed: int = 0, min_expected: float = MIN_EXPECTED, labels=("A", "B")) -> TwoSample:
+    """Do two runs' samples come from one distribution? a (n_a, T) and b (n_b, T): token ids, one row per sample;
+    groups_*: each sample's prompt index (default all 0: one prompt), compared prompt by prompt.
+
+    Per position: Pearson's chi-square on the 2 x K table of (prompt, token) counts, rare ones pooled
+    (token_columns), p from K - 1 degrees of freedom. Pooled: the sum of the positions' statistics, whose null
+    distribution (the positions of one sample are dependent) comes from `permutations` seeded relabellings of the
+    samples between the runs within each prompt. Holm over the T + 1 tests at alpha: two runs drawn from one
+    distribution fail with probability at most alpha (up to the chi-square's approximation)."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(len(a), len(b)) < 2 or a.shape[1] < 1:
+        raise ValueError(f"homogeneity needs two runs of shape (n >= 2, T) with the same T, got {a.shape} and "
+                         f"{b.shape}")
+    ga = np.zeros(len(a), np.int64) if groups_a is None else np.asarray(groups_a, dtype=np.int64)
+    gb = np.zeros(len(b), np.int64) if groups_b is None else np.asarray(groups_b, dtype=np.int64)
+    if ga.shape != (len(a),) or gb.shape != (len(b),):
+        raise ValueError("homogeneity: groups_a / groups_b need one prompt index per sample")
+    from scipy import stats as sps
+
+    x, g = np.concatenate([a, b]), np.concatenate([ga, gb])
+    n_a, n, T = len(a), len(x), a.shape[1]
+    cols, offsets, dfs = [], [0], []
+    for i in range(T):
+        c, k = token_columns(x[:, i], g, min(n_a, n - n_a), min_expected)
+        cols.append(c + offsets[-1])
+        offsets.append(offsets[-1] + k)
+        dfs.append(k - 1)
+    cols = np.stack(cols, 1)  # (n, T): every sample's column at each position, unique over positions
+    total = np.bincount(cols.ravel(), minlength=offsets[-1]).astype(np.float64)
+
+    def per_position(in_a):  # (..., columns) -> (..., T) statistics
+        return np.stack([chi2_table(in_a[..., offsets[i]:offsets[i + 1]], total[offsets[i]:offsets[i + 1]], n_a, n)
+                         for i in range(T)], -1)
+
+    observed = per_position(np.bincount(cols[:n_a].ravel(), minlength=offsets[-1]).astype(np.float64))
+    p = [float(sps.chi2.sf(s, d)) if d > 0 else 1.0 for s, d in zip(observed, dfs)]
+    rng = np.random.default_rng([seed, 3])
+    labels_perm = np.zeros((permutations, n), dtype=bool)
+    for grp in np.unique(g):  # relabel within each prompt: the same number of run-A samples per prompt
+        idx = np.flatnonzero(g == grp)
+        k = int((g[:n_a] == grp).sum())
+        keys = rng.random((permutations, len(idx)))
+        chosen = idx[np.argsort(keys, 1)[:, :k]]
+        np.put_along_axis(labels_perm, chosen, True, 1)
+    run, member = np.nonzero(labels_perm)
+    flat = (run[:, None] * offsets[-1] + cols[member]).ravel()  # every relabelled run-A sample's columns
+    in_a = np.bincount(flat, minlength=permutations * offsets[-1]).reshape(permutations, -1).astype(np.float64)
+    pooled = float(observed.sum())
+    null = per_position(in_a).sum(-1)
+    p.append(float((1 + (null >= pooled - 1e-9 * max(pooled, 1.0)).sum()) / (1 + permutations)))
+    return TwoSample(n_a, n - n_a, [*map(float, observed), pooled], [*dfs, int(sum(dfs))], p, holm(p), alpha,
+                     permutations, tuple(labels))
