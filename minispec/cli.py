@@ -36,8 +36,11 @@ from .equivalence import (
     plot_report,
     run_equivalence,
 )
+from .equivalence.harness import check_window
+from .equivalence.http import ServerError, base_url
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
-from .equivalence.llama_server import LlamaServer, ServerClient, context_size, server_samples
+from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_samples
+from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, InputError, one_line, resolve_device
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
@@ -223,11 +226,34 @@ def run_generate(args: argparse.Namespace) -> int:
 # ---- the command table and entry point
 
 def _jsonl_out(s: str) -> str:
-    """An output file whose folder exists (checked before any sampling, so a long run cannot end unwritable)."""
+    """An output file whose folder exists and that is a regular file if it exists (checked before any sampling,
+    so a long run cannot end unwritable, blocked on a FIFO or writing over a device)."""
     parent = Path(s).resolve().parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"folder {parent} does not exist")
+    try:
+        check_output_path(s, "the file")
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return s
+
+
+def _samples_file(s: str) -> str:
+    """A samples file that is a regular file (a FIFO would block the read, a device such as /dev/zero never
+    ends), checked before the target loads; read_samples checks it again as it reads."""
+    try:
+        open_regular(s, "samples file").close()
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def _url(s: str) -> str:
+    """An http(s) address with a usable port and host, checked before the target loads."""
+    try:
+        return base_url(s)
+    except ServerError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # the sampling options a samples file states itself (--samples-file rejects them); argparse defaults are None
@@ -253,7 +279,7 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                         "port and stopped afterwards); it must be the --target model (an F32 GGUF of it)")
     p.add_argument("--server-draft", metavar="FILE.gguf",
                    help="--engine llama.cpp: the draft model llama-server speculates with (at most --k tokens)")
-    p.add_argument("--url", metavar="URL",
+    p.add_argument("--url", type=_url, metavar="URL",
                    help="--engine llama.cpp: a llama-server already running there (nothing started or stopped)")
     p.add_argument("--server-threads", type=_int_at_least(1), metavar="N",
                    help="--engine llama.cpp: the CPU threads of the server it starts (default: llama.cpp's own)")
@@ -263,7 +289,7 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                                                       "engines (default: --target exported into a temporary one)")
     p.add_argument("--hf-draft", metavar="DIR", help="the assistant as a Hugging Face directory for "
                                                      "transformers-assisted (default: --draft exported)")
-    p.add_argument("--samples-file", metavar="FILE.jsonl",
+    p.add_argument("--samples-file", type=_samples_file, metavar="FILE.jsonl",
                    help="test samples drawn by any engine (first line: the settings; then one "
                         '{"prompt": [ids], "tokens": [ids]} per line; see docs/equivalence.md)')
     p.add_argument("--save-samples", type=_jsonl_out, metavar="FILE.jsonl",
@@ -371,6 +397,9 @@ def _check_server_options(args) -> None:
                          "own code (its draft: --server-draft)")
     if not isinstance(args.k, int):
         raise UsageError(f"--engine {LLAMA_CPP} takes a number for --k (the server's maximum draft length)")
+    if args.k > MAX_K:
+        raise UsageError(f"--k {args.k} is more than {MAX_K}, the longest draft llama-server is asked for (each "
+                         "slot's context holds a round of drafts)")
 
 
 def _server_samples(args, target, prompts: list[list[int]]):
@@ -443,6 +472,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
         if args.engine == LLAMA_CPP:
+            check_window(target, prompts, args.tokens)  # before the server starts
             report = audit_samples(target, _server_samples(args, target, prompts), **test)
         elif args.engine == "minispec":
             draft = (args.draft if args.draft == PROMPT_LOOKUP
@@ -528,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_environment()
         return args.run(args)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
+    except KeyboardInterrupt:  # one line, whatever was running (a server started for the run is stopped)
+        print("\ninterrupted", file=sys.stderr)
         return 130
     except (UsageError, EquivalenceInputError) as e:  # bad input: argparse's status
         print(f"error: {one_line(e)}", file=sys.stderr)

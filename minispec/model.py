@@ -28,7 +28,7 @@ from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
 from .generate import generate
 from .kernels import Int4Weight, PackedWeight, int4_supported
-from .quantized import set_weight
+from .quantized import KeptEmbedding, set_weight
 from .speculative import speculate
 from .threads import tuned
 
@@ -216,6 +216,15 @@ class Transformer(nn.Module):
             self.head_packed = Int4Weight(embedding)
         self.config.int4 = True
         return self.to(torch.float32)
+
+    def weight_count(self) -> int:
+        """How many values the weights hold, whatever their form: float parameters (each tensor once), a packed
+        matrix (int4, int8, row-wise, stacked: `to_int4` or a kept quantization) by its shape, a kept embedding
+        table by its rows times the width. A tied head's packed form is the embedding's, counted once."""
+        n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        n += sum(math.prod(m.weight.shape) for m in self.modules() if isinstance(getattr(m, "weight", None),
+                                                                                 PackedWeight))
+        return n + sum(m.num_embeddings * self.config.dim for m in self.modules() if isinstance(m, KeptEmbedding))
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)set the RoPE cos/sin tables: empty buffers (never saved) that grow with use, to the longest

@@ -169,9 +169,11 @@ def _closed_port() -> int:
 
 FAKE_BINARY = """\
 #!{python}
-import http.server, json, os, sys, time
+import http.server, json, os, signal, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 mode = os.environ.get("FAKE_LLAMA_MODE", "ok")
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "exit":
     print("error: failed to load model", flush=True)
     sys.exit(3)
@@ -199,8 +201,8 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-@pytest.fixture
-def fake_binary(tmp_path, monkeypatch):
+def make_fake_binary(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
+    """The fake llama-server, a "model" for it, and the file its arguments will be written to (when it starts)."""
     path = tmp_path / "llama-server"
     path.write_text(FAKE_BINARY.format(python=sys.executable))
     path.chmod(0o755)
@@ -208,6 +210,11 @@ def fake_binary(tmp_path, monkeypatch):
     model.write_bytes(b"GGUF")
     monkeypatch.setenv("FAKE_LLAMA_ARGS", str(tmp_path / "args.json"))
     return path, model, tmp_path / "args.json"
+
+
+@pytest.fixture
+def fake_binary(tmp_path, monkeypatch):
+    return make_fake_binary(tmp_path, monkeypatch)
 
 
 def _gone(pid: int) -> bool:
@@ -244,11 +251,15 @@ def test_server_flags_and_stop(fake_binary):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_server_ends_when_the_process_that_started_it_is_killed(fake_binary, tmp_path):
-    """kill -9 of the auditing process runs none of its cleanup: the server still goes (PR_SET_PDEATHSIG)."""
+@pytest.mark.parametrize("mode", ["ok", "stubborn"])
+def test_server_ends_when_the_process_that_started_it_is_killed(fake_binary, monkeypatch, mode):
+    """kill -9 of the auditing process runs none of its cleanup: the server still goes (PR_SET_PDEATHSIG), even
+    one that ignores SIGTERM ("stubborn": the signal is SIGKILL)."""
     import signal
     import subprocess
     binary, model, _ = fake_binary
+    monkeypatch.setenv("FAKE_LLAMA_MODE", mode)
+    pid = None
     code = (f"import sys, time\nfrom minispec.equivalence.llama_server import LlamaServer\n"
             f"s = LlamaServer({str(model)!r}, binary={str(binary)!r}, startup_timeout=30).__enter__()\n"
             f"print(s.proc.pid, flush=True)\ntime.sleep(60)\n")
@@ -265,6 +276,8 @@ def test_server_ends_when_the_process_that_started_it_is_killed(fake_binary, tmp
         assert _gone(pid) or _zombie(pid)
     finally:
         parent.kill()
+        if pid is not None and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)  # no stray server, even when the test fails
 
 
 def _zombie(pid: int) -> bool:

@@ -383,13 +383,20 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
         params = SamplingParams(temperature, top_k, top_p)
         _check_draft(target, draft, engine, hf_dirs)
         batch, _ = normalize_prompts(target, prompts)
-        for j, p in enumerate(batch):
-            if len(p) + tokens > target.config.max_seq_len:
-                raise ValueError(f"prompt {j} ({len(p)} tokens) + {tokens} new tokens exceeds the target's "
-                                 f"max_seq_len={target.config.max_seq_len}; use a shorter prompt or fewer tokens")
     except ValueError as e:  # the checks above already say what to do
         raise EquivalenceInputError(str(e)) from None
+    check_window(target, batch, tokens)
     return params, batch
+
+
+def check_window(target, prompts: list[list[int]], tokens: int) -> None:
+    """Every prompt and its new tokens fit the target's window (it scores them all), or EquivalenceInputError:
+    checked before any engine starts."""
+    for j, p in enumerate(prompts):
+        if len(p) + tokens > target.config.max_seq_len:
+            raise EquivalenceInputError(f"prompt {j} ({len(p)} tokens) + {tokens} new tokens exceeds the target's "
+                                        f"max_seq_len={target.config.max_seq_len}; use a shorter prompt or fewer "
+                                        "tokens")
 
 
 # ---------------------------------------------------------------------------
@@ -504,9 +511,20 @@ def audit_samples(target, samples: SampleSet | str | Path, seed: int = 0, alpha:
     t_start = time.perf_counter()
     offsets = np.cumsum([0] + samples.counts)
     chunks = ((p, samples.tokens[offsets[j]:offsets[j + 1]]) for j, p in enumerate(samples.prompts))
-    return _verdict(target, chunks, samples.prompts, samples.counts, params, samples.new_tokens, settings, s, [],
-                    seed, alpha, bins, orders, reference, batch_size, progress, power_runs, interim=False,
-                    t_start=t_start)
+    return _verdict(target, chunks, samples.prompts, samples.counts, params, samples.new_tokens, settings, s,
+                    _engine_notes(s), seed, alpha, bins, orders, reference, batch_size, progress, power_runs,
+                    interim=False, t_start=t_start)
+
+
+def _engine_notes(settings: dict) -> list[str]:
+    """What the engine's own settings say about what the test covers: a speculative engine that reports no drafted
+    tokens sampled from its target alone."""
+    spec = settings.get("speculation")
+    if isinstance(spec, dict) and spec.get("drafted") == 0:
+        return ["the engine reports that it drafted no tokens (its draft model was loaded but never used, or "
+                "proposed nothing): its samples came from the target alone, so the test says nothing about its "
+                "speculative decoding"]
+    return []
 
 
 def _control_notes(sampler: str, draft, params: SamplingParams) -> list[str]:

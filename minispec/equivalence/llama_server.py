@@ -28,16 +28,20 @@ those tokens a logit bias of -inf: the server then samples the target conditione
 Where the target gives an end token real probability within the tested positions, that shows as a
 failure of the audit; the report states this caveat in its engine settings.
 
-Every failure raises `ServerError` (an InputError, so the command line prints one line and exits
-with status 1); a server running another model than the target raises `ModelMismatchError`.
+Every request goes through minispec.equivalence.http (a deadline for the whole answer, a cap on its size, JSON
+with finite numbers only), and every number an answer holds is checked before it is used. Every failure raises
+`ServerError` (an InputError, so the command line prints one line and exits with status 1); a server running
+another model than the target raises `ModelMismatchError`. The requests run in daemon threads that a failure or
+Ctrl-C ends at once (`http.Cancel`), so a stuck server cannot keep the process alive.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
+import bisect
+import itertools
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -46,14 +50,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from ..errors import InputError
+from ..errors import check_int, is_int, is_number, show
 from ..sampling import SamplingParams
+from .http import MAX_BYTES, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
 from .samples import SampleSet, group
 
 ENGINE = "llama.cpp"
@@ -69,10 +72,10 @@ OFF = dict(min_p=0.0, typical_p=1.0, top_n_sigma=-1.0, xtc_probability=0.0, dry_
 MAX_SEED = 2**32 - 2  # llama.cpp's seed is a uint32 and 0xFFFFFFFF means "random"
 PROB_TOLERANCE = 1e-2  # how far the server's next-token probabilities may be from the target's (fp32)
 PIECES = 32  # token ids whose text the model check compares
-
-
-class ServerError(InputError):
-    """llama-server could not be started or used, or answered something the harness cannot test; one line."""
+MAX_K = 64  # the longest draft a server is asked for: each slot's context holds a round of them
+MAX_DRAFT_COUNT = 2**31 - 1  # llama.cpp counts drafted tokens in an int32
+SMALL_REQUEST_S = 30.0  # the deadline of an answer that needs no sampling (/props, /v1/models, /detokenize)
+STOP_S = 5.0  # how long a stopped server may take to exit on SIGTERM before it is killed
 
 
 class ModelMismatchError(ServerError):
@@ -98,6 +101,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port(port) -> int:
+    """A TCP port a server can listen on (1..65535), or ServerError."""
+    return check_int("port", port, 1, 65535, error=ServerError)
+
+
 def check_port_free(host: str, port: int) -> None:
     """ServerError if something listens on host:port; SO_REUSEADDR as llama-server's own bind, so a port whose
     closed connections are in TIME_WAIT is free."""
@@ -111,53 +119,35 @@ def check_port_free(host: str, port: int) -> None:
 
 
 class ServerClient:
-    """JSON over HTTP to a llama-server at `url` (standard library only); every failure is a ServerError.
+    """JSON over HTTP to a llama-server at `url` (minispec.equivalence.http: each answer bounded by `timeout`
+    seconds in all and `max_bytes` bytes); every failure is a ServerError naming the server.
 
     `alive` (optional) says whether the server process still runs, so that a crash reads as a crash rather than
     as a refused connection."""
 
-    def __init__(self, url: str, timeout: float = 300.0, alive=None):
-        parts = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ServerError(f"--url {url!r} is not an http(s) address such as http://127.0.0.1:8080")
-        self.url = f"{parts.scheme}://{parts.netloc}"
-        self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
-        self.timeout = timeout
+    def __init__(self, url: str, timeout: float = 300.0, alive=None, max_bytes: int = MAX_BYTES):
+        self.url = base_url(url)
+        self.timeout = check_seconds(timeout, "the server's request timeout")
+        self.max_bytes = check_int("max_bytes", max_bytes, 1, error=ServerError)
         self.alive = alive
+        self.name = f"{BINARY} at {self.url}"
 
-    def request(self, method: str, path: str, body=None, timeout: float | None = None, grace: float = 2.0):
+    def request(self, method: str, path: str, body=None, timeout: float | None = None, grace: float = 2.0,
+                cancel: Cancel | None = None):
         """The JSON answer; grace: seconds to let a server whose connection broke finish exiting (a crash)."""
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=self.timeout if timeout is None else timeout)
-        where = f"{method} {self.url}{path}"
         try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-        except TimeoutError:
-            raise ServerError(f"{where} timed out after {conn.timeout:g} s") from None
-        except (OSError, http.client.HTTPException) as e:
+            return get_json(f"{self.url}{path}", body, method=method, deadline=timeout or self.timeout,
+                            max_bytes=self.max_bytes, server_name=self.name, cancel=cancel)
+        except ServerUnreachable:
             if self.alive is not None and not self.alive(grace):
-                raise ServerError(f"llama-server exited during {where}: {self.alive.why()}") from None
-            raise ServerError(f"{where} failed: {e.__class__.__name__}: {e}") from None
-        finally:
-            conn.close()
-        try:
-            out = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise ServerError(f"{where} answered HTTP {resp.status} with no JSON: {raw[:80]!r}") from None
-        if resp.status != 200:
-            msg = out.get("error", out) if isinstance(out, dict) else out
-            msg = msg.get("message", msg) if isinstance(msg, dict) else msg
-            raise ServerError(f"{where} answered HTTP {resp.status}: {str(msg)[:200]}")
-        return out
+                raise ServerError(f"llama-server exited during {method} {self.url}{path}: {self.alive.why()}") from None
+            raise
 
     def get(self, path: str, timeout: float | None = None):
-        return self.request("GET", path, timeout=timeout)
+        return self.request("GET", path, timeout=timeout or min(self.timeout, SMALL_REQUEST_S))
 
-    def post(self, path: str, body, timeout: float | None = None):
-        return self.request("POST", path, body, timeout=timeout)
+    def post(self, path: str, body, timeout: float | None = None, cancel: Cancel | None = None):
+        return self.request("POST", path, body, timeout=timeout, cancel=cancel)
 
     def wait_healthy(self, timeout: float) -> None:
         """Until /health answers {"status": "ok"} (a loading server answers 503), or ServerError after `timeout`."""
@@ -165,7 +155,8 @@ class ServerClient:
         last = "no answer"
         while True:
             try:
-                if self.request("GET", "/health", timeout=5, grace=0.0).get("status") == "ok":
+                answer = self.request("GET", "/health", timeout=5, grace=0.0)
+                if isinstance(answer, dict) and answer.get("status") == "ok":
                     return
             except ServerError as e:
                 if self.alive is not None and not self.alive():
@@ -176,11 +167,26 @@ class ServerClient:
             time.sleep(0.2)
 
     def version(self) -> str | None:
+        """The server's build_info (None when it has no /props); ServerError if it names its build with
+        something other than a string."""
         try:
             props = self.get("/props")
+        except ServerUnreachable:
+            raise
         except ServerError:
             return None
-        return props.get("build_info") if isinstance(props, dict) else None
+        info = props.get("build_info") if isinstance(props, dict) else None
+        if info is not None and not isinstance(info, str):
+            raise ServerError(f"{self.name}: /props gives build_info {show(info)}, not a string naming its build")
+        return None if info is None else " ".join(info.split())[:200]
+
+
+def log_cause(text: str) -> str:
+    """The line of a llama.cpp program's log that says why it failed: the first one saying error or failed
+    (the root cause: what follows is its consequences), else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if re.search(r"error|failed|GGML_ASSERT|abort", ln, re.I)), None)
+    return (cause or (lines[-1] if lines else "(no output)"))[:300]
 
 
 class _Alive:
@@ -198,9 +204,7 @@ class _Alive:
         return False
 
     def why(self) -> str:
-        lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        tail = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "no output")
-        return f"exit status {self.proc.returncode}; last log line: {tail[:200]}"
+        return f"exit status {self.proc.returncode}; its log says: {log_cause(self.log.read_text(errors='replace'))}"
 
 
 class LlamaServer:
@@ -208,12 +212,22 @@ class LlamaServer:
 
     model / draft: GGUF files (draft None: plain sampling); k: the maximum draft length; parallel: slots (concurrent
     sequences); ctx_size: context per slot; threads: CPU threads (None: llama.cpp's default); port: None picks a free
-    one; startup_timeout: seconds to become healthy (loading a model); timeout: seconds per request.
+    one; startup_timeout: seconds to become healthy (loading a model); timeout: seconds per request (its whole
+    answer). Every value is checked here, before anything starts.
     """
 
     def __init__(self, model, draft=None, k: int = 4, parallel: int = 4, ctx_size: int = 512,
                  threads: int | None = None, port: int | None = None, binary=None, host: str = "127.0.0.1",
                  startup_timeout: float = 300.0, timeout: float = 300.0, extra_args=()):
+        check_int("k", k, 1, MAX_K, error=ServerError)
+        check_int("parallel", parallel, 1, error=ServerError)
+        check_int("ctx_size", ctx_size, 1, error=ServerError)
+        if threads is not None:
+            check_int("threads", threads, 1, error=ServerError)
+        if port is not None:
+            check_port(port)
+        check_seconds(startup_timeout, "startup_timeout")
+        check_seconds(timeout, "timeout")
         self.binary = find_binary(binary)
         for what, path in (("model", model), ("draft model", draft)):
             if path is not None and not Path(path).is_file():
@@ -279,7 +293,7 @@ class LlamaServer:
             if proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=STOP_S)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -289,13 +303,14 @@ class LlamaServer:
 
 
 def _end_with_parent(parent: int):
-    """A preexec_fn that has Linux send the child SIGTERM when the process that started it dies (however it
-    dies: a kill -9 runs no cleanup of ours); elsewhere nothing (stop() still ends it on every exit we run)."""
+    """A preexec_fn that has Linux send the child SIGKILL when the process that started it dies (however it
+    dies: a kill -9 runs no cleanup of ours; SIGKILL, since a server that ignores SIGTERM would outlive us);
+    elsewhere nothing (stop() still ends it on every exit we run)."""
     def arrange() -> None:
         try:
             import ctypes
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             return
         if os.getppid() != parent:  # the parent died before the request took hold
@@ -323,58 +338,124 @@ def parse_tokens(resp, tokens: int, vocab_size: int) -> list[int]:
                           f"(got {str(ids)[:60]}); is it a llama.cpp server that supports return_tokens?")
     if len(ids) != tokens:
         raise ServerError(f"llama-server returned {len(ids)} tokens, expected {tokens} (n_predict with ignore_eos; "
-                          f"stop_type {resp.get('stop_type')!r})")
+                          f"stop_type {show(resp.get('stop_type'))})")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ServerError(f"llama-server returned token id {bad}, outside the target's vocabulary [0, {vocab_size})")
     return ids
 
 
+def draft_counts(resp: dict, tokens: int, server: str) -> tuple[int, int]:
+    """The draft tokens a /completion answer says it drafted and accepted (timings.draft_n and
+    draft_n_accepted; 0 and 0 when it states none), checked: integers, 0 <= accepted <= drafted, and no more
+    accepted than tokens returned."""
+    timings = resp.get("timings")
+    if not isinstance(timings, dict):
+        return 0, 0
+    n, a = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+    for name, v in (("draft_n", n), ("draft_n_accepted", a)):
+        if not is_int(v) or not 0 <= v <= MAX_DRAFT_COUNT:
+            raise ServerError(f"{server}: /completion's timings.{name} is {show(v)}, not a count of draft tokens "
+                              f"(an integer in [0, {MAX_DRAFT_COUNT}])")
+    if a > n or a > tokens:
+        raise ServerError(f"{server}: /completion's timings say {a} draft tokens accepted of {n} drafted, for "
+                          f"{tokens} tokens returned: not counts of one answer")
+    return n, a
+
+
 def _draw(client: ServerClient, prompts, counts, tokens: int, params: SamplingParams, seed: int, vocab_size: int,
           workers: int, bar=None) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """Every sample, sample g (prompt-major) seeded seed + g, `workers` requests in flight. Returns the (prompt, ids)
-    pairs and the draft tokens the server reports it drafted and accepted (its responses' timings)."""
-    jobs = [(p, seed + g) for g, p in enumerate(p for p, n in zip(prompts, counts) for _ in range(n))]
-    out: list = [None] * len(jobs)
+    pairs and the draft tokens the server reports it drafted and accepted (its responses' timings).
+
+    The jobs are made as the workers take them, not up front. The workers are daemon threads and the main thread
+    waits in short, interruptible steps: an error in any request or Ctrl-C ends every request in flight at once
+    (`Cancel`), and nothing left waiting on the server can keep the process alive."""
+    total = sum(counts)
+    ends = list(itertools.accumulate(counts))
+    out: dict[int, list[int]] = {}
     drafts = {"drafted": 0, "accepted": 0}
     lock = threading.Lock()
+    jobs = itertools.count()
+    failures: list[BaseException] = []
+    done = threading.Event()
+    cancel = Cancel()
+    n_workers = min(workers, total)
+    running = [n_workers]
 
-    def one(i):
-        p, s = jobs[i]
-        resp = client.post("/completion", request_body(p, tokens, params, s))
-        out[i] = (p, parse_tokens(resp, tokens, vocab_size))
-        timings = resp.get("timings")
-        with lock:
-            if isinstance(timings, dict):
-                drafts["drafted"] += int(timings.get("draft_n", 0))
-                drafts["accepted"] += int(timings.get("draft_n_accepted", 0))
-            if bar is not None:
-                bar.update(1)
+    def work() -> None:
+        try:
+            while not cancel.cancelled:
+                with lock:
+                    g = next(jobs)
+                if g >= total:
+                    return
+                prompt = prompts[bisect.bisect_right(ends, g)]
+                resp = client.post("/completion", request_body(prompt, tokens, params, seed + g), cancel=cancel)
+                ids = parse_tokens(resp, tokens, vocab_size)
+                n, a = draft_counts(resp, tokens, client.name)
+                with lock:
+                    out[g] = ids
+                    drafts["drafted"] += n
+                    drafts["accepted"] += a
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            with lock:
+                failures.append(e)
+            cancel()
+        finally:
+            with lock:
+                running[0] -= 1
+                if running[0] == 0 or failures:
+                    done.set()
 
-    pool = ThreadPoolExecutor(max_workers=workers)
+    threads = [threading.Thread(target=work, name=f"llama-server-request-{i}", daemon=True) for i in range(n_workers)]
     try:
-        futures = [pool.submit(one, i) for i in range(len(jobs))]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()
+        for t in threads:
+            t.start()
+        while not done.wait(0.25):  # short waits: Ctrl-C reaches the main thread between them
+            pass
+        if failures:
+            raise failures[0]
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        cancel()
+        stop = time.monotonic() + 2.0
+        for t in threads:
+            t.join(max(0.0, stop - time.monotonic()))
         if bar is not None:
             bar.close()
-    return out, drafts
+    pairs = [(prompts[bisect.bisect_right(ends, g)], out[g]) for g in range(total)]
+    return pairs, drafts
 
 
 def _model_meta(client: ServerClient) -> dict:
     models = client.get("/v1/models")
     try:
         return dict(models["data"][0]["meta"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ServerError(f"{client.name}: /v1/models has no data[0].meta (vocabulary size, parameters)") from None
+
+
+def _top_probs(resp, client: ServerClient, vocab_size: int) -> dict[int, float]:
+    """token id -> probability from a /completion answer's completion_probabilities[0].top_logprobs, checked: ids
+    in the vocabulary, log-probabilities finite and at most 0 (up to rounding)."""
+    try:
+        top = resp["completion_probabilities"][0]["top_logprobs"]
+        pairs = [(t["id"], t["logprob"]) for t in top]
     except (KeyError, IndexError, TypeError):
-        raise ServerError("llama-server's /v1/models has no data[0].meta (vocabulary size, parameters)") from None
-
-
-def _n_params(target) -> int:
-    return sum(p.numel() for p in {id(p): p for p in target.parameters()}.values())
+        raise ServerError(f"{client.name}: /completion with n_probs returned no completion_probabilities[0]"
+                          ".top_logprobs") from None
+    out = {}
+    for i, lp in pairs:
+        if not is_int(i) or not 0 <= i < vocab_size:
+            raise ServerError(f"{client.name}: /completion's top_logprobs holds token id {show(i)}, not an id in "
+                              f"the target's vocabulary [0, {vocab_size})")
+        if not is_number(lp) or not -math.inf < lp <= 1e-6:
+            raise ServerError(f"{client.name}: /completion's top_logprobs gives token {i} the log-probability "
+                              f"{show(lp)}, not a finite number <= 0")
+        out[i] = math.exp(min(lp, 0.0))
+    return out
 
 
 def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
@@ -384,6 +465,9 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
     cfg = target.config
     meta = _model_meta(client)
     info = {"n_vocab": meta.get("n_vocab"), "n_embd": meta.get("n_embd"), "n_params": meta.get("n_params")}
+    for key, v in info.items():
+        if not is_int(v) or v < 0:
+            raise ServerError(f"{client.name}: /v1/models gives {key} {show(v)}, not a count")
     vocab = {cfg.vocab_size, getattr(cfg, "sampled_vocab_size", None) or cfg.vocab_size}
     if meta.get("n_vocab") not in vocab:
         raise ModelMismatchError(f"the server's model has a vocabulary of {meta.get('n_vocab')} tokens, the target "
@@ -391,7 +475,7 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
     if meta.get("n_embd") != cfg.dim:
         raise ModelMismatchError(f"the server's model has width {meta.get('n_embd')}, the target {cfg.dim}: "
                                  "not the same model")
-    n = _n_params(target)
+    n = target.weight_count()
     tied = cfg.vocab_size * cfg.dim  # a tied head is one tensor here and may count twice there
     if meta.get("n_params") not in (n, n + tied):
         raise ModelMismatchError(f"the server's model has {meta.get('n_params')} parameters, the target {n}: "
@@ -411,17 +495,11 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
         if len(differ) * 2 > len(ids):
             i, theirs = differ[0]
             raise ModelMismatchError(f"the server's tokenizer differs from the target's: {len(differ)} of {len(ids)} "
-                                     f"token ids read differently (id {i}: {theirs!r} there, {tok.decode([i])!r} "
-                                     "here)")
+                                     f"token ids read differently (id {i}: {show(theirs)} there, "
+                                     f"{show(tok.decode([i]))} here)")
     top = min(20, cfg.vocab_size)
     body = dict(request_body(prompt, 1, SamplingParams(1.0, None, None), 0), n_probs=top, post_sampling_probs=False)
-    resp = client.post("/completion", body)
-    try:
-        top_logprobs = resp["completion_probabilities"][0]["top_logprobs"]
-        theirs = {int(t["id"]): math.exp(float(t["logprob"])) for t in top_logprobs}
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise ServerError("llama-server's /completion with n_probs returned no completion_probabilities[0]"
-                          ".top_logprobs") from None
+    theirs = _top_probs(client.post("/completion", body), client, cfg.vocab_size)
     with torch.inference_mode():
         logits = target(torch.tensor([prompt], device=target.device))[0, -1].float().cpu()
     ours = logits.softmax(-1)
@@ -439,9 +517,14 @@ def server_samples(target, client: ServerClient, prompts: list[list[int]], sampl
                    model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
     """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as the
     SampleSet audit_samples tests (engine "llama.cpp", its build as engine_version, `settings` added to the
-    settings line, and "speculation": the draft tokens drafted and accepted, when the server drafted any). The
+    settings line, and "speculation": the draft tokens drafted and accepted, when the server drafted any or was
+    started with a draft, `settings["server_draft"]`). The
     model is checked first unless model_check is False. Raises ServerError."""
     params = SamplingParams(temperature, top_k, top_p)
+    check_int("samples", samples, 1, error=ServerError)
+    check_int("tokens", tokens, 1, error=ServerError)
+    check_int("workers", workers, 1, error=ServerError)
+    check_int("seed", seed, 0, error=ServerError)
     last = seed + samples * len(prompts) - 1
     if not 0 <= seed or last > MAX_SEED:
         raise ServerError(f"llama.cpp's seeds are 32-bit: seed + samples - 1 = {last} exceeds {MAX_SEED}")
@@ -458,6 +541,7 @@ def server_samples(target, client: ServerClient, prompts: list[list[int]], sampl
         bar = tqdm(total=samples * len(prompts), desc=ENGINE, unit="sample", file=sys.stderr, dynamic_ncols=True)
     pairs, drafts = _draw(client, prompts, [samples] * len(prompts), tokens, params, seed, target.config.vocab_size,
                           workers, bar)
-    if drafts["drafted"]:
-        head["speculation"] = {**drafts, "acceptance_rate": drafts["accepted"] / drafts["drafted"]}
+    if drafts["drafted"] or head.get("server_draft"):  # a draft that drafted nothing is stated (the report notes it)
+        head["speculation"] = {**drafts, "acceptance_rate": drafts["accepted"] / drafts["drafted"]
+                               if drafts["drafted"] else None}
     return group(head, pairs, f"{ENGINE} server {client.url}")

@@ -10,6 +10,9 @@ Every other line is one sample, `{"prompt": [ids], "tokens": [ids]}`, with exact
 to line. `SampleSet` holds such a file grouped by distinct prompt (prompt-major, in
 order of first appearance), the layout `target_pit` scores in one batched pass per
 prompt.
+
+A samples file must be a regular file (a FIFO would block, /dev/zero never ends), and no line may be longer
+than the longest sample the target can score (`line_limit`), so reading one is bounded by its own size.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,8 @@ from ..sampling import SamplingParams
 
 SETTINGS_KEYS = ("temperature", "top_k", "top_p", "new_tokens", "engine", "engine_version")
 SAMPLE_KEYS = ("prompt", "tokens")
+BYTES_PER_ID = 32  # a token id as JSON writes it, with its separator and room for spaces
+LINE_SLACK = 1 << 20  # the rest of a line: keys, and whatever the settings line states besides the settings
 
 
 class EquivalenceInputError(InputError):
@@ -159,15 +165,65 @@ def validate(samples: SampleSet, vocab_size: int, max_seq_len: int, min_samples:
     _check_count(len(samples.tokens), samples.source, min_samples)
 
 
+def open_regular(path, what: str, error: type[InputError] = SamplesFileError):
+    """`path` opened for binary reading if it is a regular file; else `error` naming it. Opened without blocking
+    and checked on the open file: a FIFO would wait for a writer, a device such as /dev/zero never ends."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{what} {path} is not a regular file (a pipe or device): give a file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_output_path(path, what: str, error: type[InputError] = SamplesFileError) -> None:
+    """An output file's path: absent or a regular file (a FIFO would block the write, a device would be
+    replaced or written into); else `error`."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise error(f"cannot write {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{what} {path} exists and is not a regular file (a pipe, device or folder): give a file")
+
+
+def line_limit(max_seq_len: int) -> int:
+    """The longest line a samples file for a target of this window may hold (bytes)."""
+    return BYTES_PER_ID * max_seq_len + LINE_SLACK
+
+
+def _lines(path: Path, limit: int):
+    """(line number, text) of the file's non-blank lines, each read up to `limit` bytes."""
+    with open_regular(path, "samples file") as f:
+        for no, raw in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
+            if len(raw) > limit:
+                raise SamplesFileError(f"{path} line {no} is longer than {limit} bytes, more than any sample the "
+                                       "target can score; is it a samples file?")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise SamplesFileError(f"cannot read samples file {path}: line {no} is not UTF-8 text") from None
+            if line.strip():
+                yield no, line
+
+
 def read_samples(path, vocab_size: int, max_seq_len: int, min_samples: int) -> SampleSet:
     """Read and check a samples file against the target's vocabulary and window (SamplesFileError if it cannot
     be tested as it is)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SamplesFileError(f"cannot read samples file {path}: {getattr(e, 'strerror', None) or e}") from None
-    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+        lines = list(_lines(path, line_limit(max_seq_len)))
+    except OSError as e:
+        raise SamplesFileError(f"cannot read samples file {path}: {e.strerror or e}") from None
     if not lines:
         raise SamplesFileError(f"{path} is empty: the first line states the settings, each further line is one sample")
     rows = []
