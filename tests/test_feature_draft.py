@@ -16,12 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minispec.feature_draft import FeatureDrafter, build_feature_draft
+from minispec.speculative import get_sampler
 
 from helpers import TOOLS, peaked_model
 
 sys.path.insert(0, str(TOOLS))
 import feature_data  # noqa: E402
 import train_feature_draft as tfd  # noqa: E402
+from test_speculative_mc import run as mc_run  # noqa: E402
 
 V = 16
 
@@ -29,7 +31,8 @@ V = 16
 def tiny_data(target, run_dir, n: int = 24, max_new: int = 24) -> None:
     """The target's greedy continuations of n random prompts, with its states, as the collect stage writes them."""
     g = torch.Generator().manual_seed(5)
-    items = [(f"gen-{i}", torch.randint(0, V, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist())
+    v = target.config.vocab_size
+    items = [(f"gen-{i}", torch.randint(0, v, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist())
              for i in range(n)]
     for i in range(0, n, 8):
         feature_data.save_shard(run_dir / "data", feature_data.generate_batch(target, items[i:i + 8], max_new))
@@ -139,3 +142,30 @@ def test_export_and_load(pair, tmp_path):
     assert isinstance(loaded, FeatureDrafter)
     res = target.speculate(loaded, [1, 2, 3], k=3, max_new_tokens=10, stop_tokens=[])
     assert res.tokens == target.generate([1, 2, 3], max_new_tokens=10, stop_tokens=[])
+
+
+@pytest.fixture(scope="module")
+def mc_models(tmp_path_factory):
+    """test_speculative_mc's target (8 tokens) and a feature draft trained briefly on it, over 6 of its tokens."""
+    torch.set_num_threads(1)
+    target = peaked_model(0, 8)
+    run_dir = tmp_path_factory.mktemp("fd-mc")
+    tiny_data(target, run_dir, n=16, max_new=12)
+    draft = tfd.train(target, run_dir, tfd.TrainConfig(**{**CFG, "head_vocab": 6}), steps=60, progress=False)
+    return {"target": target, "draft": draft}
+
+
+@pytest.mark.parametrize("k,temperature,top_k,top_p", [(2, 1.0, None, None), (3, 0.7, 4, 0.9)])
+def test_a_feature_draft_is_exact(mc_models, k, temperature, top_k, top_p):
+    drafter = FeatureDrafter(mc_models["draft"], mc_models["target"])
+    p, stats = mc_run(mc_models, drafter, k, temperature, top_k, top_p)
+    assert 0 < stats.acceptance_rate < 1
+    assert p > 1e-4, f"speculate's distribution with a feature draft differs from the target's: p = {p:.3g}"
+
+
+@pytest.mark.parametrize("sampler", ["always-accept", "no-residual", "greedy-draft"])
+def test_broken_samplers_are_rejected_with_a_feature_draft(mc_models, sampler):
+    # the controls that break the draw reach a feature draft through its own draw, as a model draft's through speculate
+    broken = FeatureDrafter(mc_models["draft"], mc_models["target"], draw=get_sampler(sampler).draw)
+    p_broken, _ = mc_run(mc_models, broken, 2, 1.0, sampler=sampler)
+    assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
