@@ -224,16 +224,20 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
         int4 = cfg.int4 and not kept and dtype in (None, torch.float32) and int4_supported(device or "cpu")
     if int4 and dtype not in (None, torch.float32):
         raise ValueError(f"an int4 model computes its activations in float32, not {dtype}")
-    if kept and not packed:
-        with quantized.FileReader(wfile) as read:
-            state.update(quantized.dequantized(kept, read))
     if dtype is None:
         dtype = torch.float32 if int4 or kept else WEIGHT_DTYPES[dtypes["embed_tokens.weight"]]
     with torch.device("meta"):  # checked against the file: a model of the file's size, no memory yet
         model = cls(cfg)
+    if kept:  # a kept matrix's parts are read (and their scales checked) here: an error names the file
+        try:
+            with quantized.FileReader(wfile) as read:
+                if packed:
+                    quantized.install(model, kept, read, state)
+                else:
+                    state.update(quantized.dequantized(kept, read))
+        except quantized.QuantizedCheckpointError as e:
+            raise CheckpointError(f"{wfile}: {e}") from None
     if packed:
-        with quantized.FileReader(wfile) as read:
-            quantized.install(model, kept, read)
         state = {n: t.clone() for n, t in state.items()}  # the norms and biases: none keeps the file mapped
     model.load_state_dict(state, assign=True, strict=True)  # meta parameters become the mmapped tensors
     model.init_rope()  # the RoPE tables were made on the meta device: make them real (they grow with use)

@@ -19,7 +19,9 @@ looked up (`KeptEmbedding`). Elsewhere, or when asked, they are dequantized to f
 Either way every product gives a row the same bits whatever the other rows of the pass (the kernels'
 rows are independent; a matrix the kernels cannot take is multiplied row by row), and the model's norms
 and attention are set to do the same (`same_rows`), so a verify pass computes exactly what decode
-steps do: greedy speculation equals greedy generation, as with the bf16 target.
+steps do: greedy speculation equals greedy generation, as with the bf16 target. A float q, k or v beside
+kept ones (a file may leave one unquantized) joins their product row by row. A non-finite scale or min is
+refused when read (`read_parts`), naming the tensor.
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ class FileReader:
         out = torch.empty(end - begin, dtype=torch.uint8)
         self.file.seek(self.start + begin)
         if self.file.readinto(memoryview(out.numpy())) != end - begin:
-            raise QuantizedCheckpointError(f"{self.file.name}: {name} is cut short: the file is truncated")
+            raise QuantizedCheckpointError(f"{name} is cut short: the file is truncated")  # the caller names it
         return out.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def __enter__(self) -> FileReader:
@@ -238,8 +240,14 @@ def part_names(kept: dict[str, str]) -> set[str]:
 
 
 def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
-    """A kept matrix's tensors by suffix, each read with read(tensor name)."""
-    return {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]}
+    """A kept matrix's tensors by suffix, each read with read(tensor name); a non-finite scale or min is refused
+    here, naming the tensor, since every value it scales would be NaN or inf when the model runs."""
+    parts = {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]}
+    for suffix, t in parts.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise QuantizedCheckpointError(f"tensor {name}.{suffix} holds NaN or inf: the matrix's weights would be "
+                                           "too; the file is corrupt: convert its GGUF again")
+    return parts
 
 
 def set_weight(module: nn.Module, weight: PackedWeight) -> None:
@@ -249,11 +257,12 @@ def set_weight(module: nn.Module, weight: PackedWeight) -> None:
     module.weight = weight
 
 
-def install(model: nn.Module, kept: dict[str, str], read) -> None:
+def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torch.Tensor]) -> None:
     """Put the kept matrices into `model` (built on the meta device, before its float tensors are loaded) in
     the form its CPU computes, reading each one's tensors with read(name) only when its turn comes (so the
     stored and the packed forms of the whole model are never held at once). `rows_alike` finishes the model
-    once its float tensors are in."""
+    once its float tensors are in. `floats`: the file's float tensors; a float q, k or v beside kept ones (a GGUF
+    may quantize them differently) is taken from it into their product, multiplied row by row."""
     def parts(name: str) -> dict[str, torch.Tensor]:
         return read_parts(name, kept[name], read)
     for name, form in kept.items():
@@ -262,12 +271,16 @@ def install(model: nn.Module, kept: dict[str, str], read) -> None:
             if model.lm_head is None:  # a tied head: the product from the same stored values
                 model.head_packed = packed_weight(form, model.embed_tokens.parts)
         elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            if name.endswith("q_proj.weight"):
-                attn = model.get_submodule(name.rsplit(".", 2)[0])
-                trio = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-                if not all(n in kept for n in trio):
-                    raise QuantizedCheckpointError(f"{name}: q, k and v must all be kept quantized, or none")
+            prefix = name.rsplit(".", 2)[0]  # layers.i.self_attn: its trio is packed once, at its first kept one
+            trio = [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+            if next(n for n in trio if n in kept) != name:
+                continue
+            attn = model.get_submodule(prefix)
+            if all(n in kept for n in trio):
                 set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
+            else:
+                set_weight(attn.qkv_proj, Stacked([packed_weight(kept[n], parts(n)) if n in kept
+                                                   else RowWise(floats.pop(n).float().clone()) for n in trio]))
         else:
             set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
 

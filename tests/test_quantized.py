@@ -128,15 +128,16 @@ TENSORS = {  # name -> (shape, type): q and k in Q4_K beside a Q6_K v (three for
 }
 
 
-def quantized_gguf(path: Path, seed: int = 0) -> Path:
-    """A one-layer llama GGUF (dim 256, the tiny BPE vocabulary) with matrices in four quantized types."""
+def quantized_gguf(path: Path, seed: int = 0, tensors: dict | None = None) -> Path:
+    """A one-layer llama GGUF (dim 256, the tiny BPE vocabulary) with matrices in four quantized types (or in
+    the types `tensors` gives, TENSORS' layout)."""
     w = gguf.GGUFWriter(str(path), "llama")
     add_metadata(w, {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": DIM,
                      "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
                      "llama.attention.head_count_kv": KV, "llama.rope.freq_base": 10000.0,
                      "llama.attention.layer_norm_rms_epsilon": 1e-5, **gpt2_vocab()})
     rng = np.random.default_rng(seed)
-    for i, (name, ((n, k), kind)) in enumerate(TENSORS.items()):
+    for i, (name, ((n, k), kind)) in enumerate((tensors or TENSORS).items()):
         if kind in (Q.Q4_K, Q.Q6_K):
             raw = random_blocks(kind, n, k, 0.004 if kind == Q.Q4_K else 0.0005, seed * 100 + i)
         else:

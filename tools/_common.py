@@ -70,14 +70,15 @@ def run_tool(job: Callable[[], str], errors: tuple[type[Exception], ...] = ()) -
     return 0
 
 
-def check_output_loads(tmp: Path, dst: Path, src: Path) -> None:
+def check_output_loads(tmp: Path, dst: Path, src: Path, int4: bool | None = False) -> None:
     """Load the checkpoint just written to `tmp` (config, weights, tokenizer): a ConversionError if it does not.
 
     Called on the temporary directory before it becomes `dst`, so a conversion never reports
-    success for, or leaves, a checkpoint that minispec cannot load.
+    success for, or leaves, a checkpoint that minispec cannot load. int4: as from_pretrained's (False: as
+    stored, not the int4 form a config asks for; None: as a user loads it, e.g. a kept quantization packed).
     """
     try:
-        Transformer.from_pretrained(tmp, int4=False)  # loads as stored: the check, not the int4 form
+        Transformer.from_pretrained(tmp, int4=int4)
     except InputError as e:
         why = one_line(e).replace(str(tmp), str(dst))
         raise ConversionError(f"the checkpoint converted from {src} does not load ({why}), "

@@ -34,6 +34,8 @@ from bench_quant import KEPT, quant_phase, quant_table
 from bench_report import drafts_table, print_core, spec_table
 from checks import distance_line, dtype_distance, greedy_check, greedy_line
 
+from minispec.errors import InputError, one_line
+
 # The benchmark lives in modules beside this file, by concern: bench_plan (the pairs, prompts and the spec
 # benchmark's plan of runs), bench_peers (transformers, llama.cpp, the core benchmark), bench_cost (the cost
 # model), bench_report (tables and plot), bench_drafts (the drafts benchmark), checks (greedy, distance).
@@ -132,7 +134,11 @@ SUBCOMMANDS = {"core": run_core, "spec": run_spec, "drafts": run_drafts, "greedy
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    res = SUBCOMMANDS[args.which](args)
+    try:
+        res = SUBCOMMANDS[args.which](args)
+    except InputError as e:  # a checkpoint or setting refused: its one line, not a traceback
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -17,6 +17,7 @@ from bench_plan import draft_form
 
 from minispec import Transformer
 from minispec.cli import load_draft
+from minispec.errors import InputError, unsampleable
 
 
 def greedy_check(target_dir: str, draft_dir: str, texts, new_tokens: int = 128, threads: int = 2,
@@ -53,13 +54,27 @@ def all_logits(model, ids: list[int], start: int) -> torch.Tensor:
     return model.step(cache, [s], [ids], all_logits=True)[0, start - 1:-1].float()
 
 
-def prompt_distance(ref, low, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def finite_logits(model, ids: list[int], start: int, name: str) -> torch.Tensor:
+    """all_logits, refused with an InputError naming `name` when some row is NaN or +inf (or all -inf): a KL
+    over such a row would read as 0 (a NaN p is not > 0) or as nothing at all, not as the broken model it is."""
+    logits = all_logits(model, ids, start)
+    what = unsampleable(logits)
+    if what is not None:
+        raise InputError(f"{name}: its logits are {what} at some position of the fp32 model's continuation; no "
+                         "distance can be measured: the checkpoint's weights or config are likely corrupt")
+    return logits
+
+
+def prompt_distance(ref, low, ids: list[int], new_tokens: int, names: tuple[str, str] = ("the reference", "the other")
+                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Over ref's greedy continuation of `ids`: per position KL(p_ref || p_low) and whether the argmaxes agree;
-    how many greedy tokens `low` generates before it first leaves ref's; the continuation's length."""
+    how many greedy tokens `low` generates before it first leaves ref's; the continuation's length. `names`:
+    ref's and low's, for the error that refuses non-finite logits."""
     cont = ref.generate(ids, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
     mine = low.generate(ids, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
     with torch.inference_mode():
-        lp, lq = (torch.log_softmax(all_logits(m, ids + cont, len(ids)), -1) for m in (ref, low))
+        lp, lq = (torch.log_softmax(finite_logits(m, ids + cont, len(ids), name), -1)
+                  for m, name in zip((ref, low), names))
     p = lp.exp()
     kl = torch.where(p > 0, p * (lp - lq), torch.zeros(())).sum(-1)
     same = next((j for j, (a, b) in enumerate(zip(cont, mine)) if a != b), len(cont))
@@ -76,11 +91,12 @@ def dtype_distance(target_dir: str, texts, dtype: str = "bfloat16", new_tokens: 
     ref = Transformer.from_pretrained(target_dir, dtype=torch.float32)
     low = Transformer.from_pretrained(other) if other else Transformer.from_pretrained(target_dir,
                                                                                        dtype=getattr(torch, dtype))
+    names = (f"{target_dir} in float32", other or f"{target_dir} in {dtype}")
     dtype = Path(other).name if other else dtype
     kls, agree, rows = [], [], []
     for i, text in enumerate(texts):
         ids = ref.tokenizer.encode_chat([{"role": "user", "content": text}])
-        kl, match, same, n = prompt_distance(ref, low, ids, new_tokens)
+        kl, match, same, n = prompt_distance(ref, low, ids, new_tokens, names)
         kls += kl.tolist()
         agree += match.tolist()
         rows.append({"prompt": i, "kl_mean": kl.mean().item(), "argmax_agreement": match.float().mean().item(),

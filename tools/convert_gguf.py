@@ -28,11 +28,13 @@ Everything that can be checked without reading the weights is checked first, and
 read as hostile: tensor data must lie inside the file, in order, aligned and without overlap
 (two tensors reading the same bytes would convert into wrong weights); metadata counts must be
 positive integers and floats finite; the layer count must match the tensors before anything is
-built. The output is written to a temporary directory beside DST, loaded back as a check, and
-renamed into place at the end (tools/_common.py), so a failed conversion (unsupported
-architecture or tensor type, truncated file, missing tensor, a checkpoint that would not load)
-leaves no DST behind; an existing DST is refused, or with --overwrite replaced only once the new
-one is complete.
+built; with --keep-quant a matrix holding a non-finite block scale or value is refused (requantized, a
+NaN row would become zeros), and each kept matrix is made a chunk of rows at a time (CHUNK_VALUES), so
+no float copy of a whole embedding is held. The output is written to a temporary directory beside DST,
+loaded back as a check (as users load it: a kept checkpoint packed), and renamed into place at the end
+(tools/_common.py), so a failed conversion (unsupported architecture or tensor type, truncated file,
+missing tensor, a checkpoint that would not load) leaves no DST behind; an existing DST is refused, or
+with --overwrite replaced only once the new one is complete.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 from minispec import protobuf, quantized
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_output_dir, check_state_dict, expected_tensors
 from minispec.config import MAX_COUNT, ModelConfig
-from minispec.errors import InputError, show
+from minispec.errors import InputError, one_line, out_of_memory, show
 from minispec.model import Transformer
 from minispec.safetensors_writer import ST_DTYPE, TORCH_DTYPE
 
@@ -524,6 +526,8 @@ def open_gguf(path: Path):
         with np.errstate(all="ignore"):  # a crafted offset overflows numpy's uint64 sum: checked below, not warned
             reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader fails in many ways on a damaged file: say which file and what to do
+        if out_of_memory(e):
+            raise
         raise ConversionError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file may be truncated or "
                               "corrupt: download or copy it again") from None
     check_tensor_layout(reader, path.stat().st_size, path)
@@ -563,14 +567,27 @@ def in_hf_rope_order(w: torch.Tensor, name: str, cfg: ModelConfig, permuted: boo
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
+# values of a kept matrix made at a time: its float copies (the file's values, the stored and computed ones) stay
+# this small whatever the matrix's size, so an embedding costs its kept parts, not several float copies of itself
+CHUNK_VALUES = 1 << 22
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger of two distances, NaN if either is one (Python's max(0.0, nan) is 0.0: a NaN would read as exact)."""
+    return b if math.isnan(b) or b > a else a
+
+
 class KeptTensor:
     """One quantized GGUF matrix in a kept form (`quantized.FORMS`): its parts made once, when the first is
     written (the parts are written one after another), and its distance from the file's values recorded."""
 
-    def __init__(self, t, name: str, shape: tuple[int, int], cfg: ModelConfig, permuted: bool, errors: dict):
+    def __init__(self, t, name: str, shape: tuple[int, int], cfg: ModelConfig, permuted: bool, errors: dict,
+                 source: str = "the GGUF file"):
         self.t, self.name, self.shape, self.cfg, self.permuted, self.errors = t, name, shape, cfg, permuted, errors
         self.form = "q4" if t.tensor_type.name == "Q4_K" else "q8"
+        self.source = source
         self.parts: dict[str, torch.Tensor] | None = None
+        self.left: set[str] = set()  # the parts not yet written: the made ones are dropped after the last
 
     def entries(self) -> list[TensorEntry]:
         n, k = self.shape
@@ -580,22 +597,47 @@ class KeptTensor:
 
     def part(self, suffix: str) -> torch.Tensor:
         if self.parts is None:
-            exact = load_tensor(self.t, self.name, self.cfg, self.permuted)  # the file's values, as gguf dequantizes
-            if self.form == "q4":
-                raw = torch.from_numpy(np.array(self.t.data, dtype=np.uint8).reshape(-1))  # a writable copy
-                self.parts = {s: in_hf_rope_order(p, self.name, self.cfg, self.permuted)
-                              for s, p in quantized.q4_k_groups(raw, *self.shape).items()}
-            else:
-                self.parts = quantized.int8_rows(exact)
-            stored = quantized.dequantize(self.form, self.parts)
-            computed = quantized.computed_values(self.form, self.parts)
-            worst = self.errors.setdefault(self.t.tensor_type.name, [self.form, 0.0, 0.0, 0.0])
-            worst[1:] = [max(worst[1], float((stored - exact).abs().max())),
-                         max(worst[2], float((computed - exact).abs().max())), max(worst[3], float(exact.abs().max()))]
+            self.parts = self.make()
+            self.left = set(self.parts)
         part = self.parts[suffix]
-        if suffix == quantized.FORMS[self.form][-1][0]:
+        self.left.discard(suffix)
+        if not self.left:
             self.parts = None  # the last part: the next matrix's turn
         return part
+
+    def make(self) -> dict[str, torch.Tensor]:
+        """The kept form's parts, made from the file's rows a chunk at a time (rows as stored; RoPE's permutation
+        undone on the parts at the end: each row is made alone, so the order does not change it). A non-finite
+        block scale or value is refused: requantized, a NaN row would become zeros."""
+        n, k = self.shape
+        kind = self.t.tensor_type
+        parts = {s: torch.empty(shape(n, k), dtype=TORCH_DTYPE[dt]) for s, dt, shape in quantized.FORMS[self.form]}
+        worst = self.errors.setdefault(kind.name, [self.form, 0.0, 0.0, 0.0])
+        step = max(1, CHUNK_VALUES // k)
+        for i in range(0, n, step):
+            rows = self.t.data[i:i + step]  # (rows, bytes a row), as the reader maps them
+            with np.errstate(all="ignore"):  # a non-finite scale's NaN or inf: refused below, not warned
+                exact = torch.from_numpy(gguf.quants.dequantize(rows, kind).reshape(-1, k))  # the file's values
+            if self.form == "q4":
+                raw = torch.from_numpy(np.array(rows, dtype=np.uint8).reshape(-1))  # a writable copy
+                chunk = quantized.q4_k_groups(raw, len(exact), k)
+            else:
+                chunk = quantized.int8_rows(exact)
+            bad = next((v for v in (exact, *chunk.values()) if v.is_floating_point() and not torch.isfinite(v).all()),
+                       None)
+            if bad is not None:
+                row = i + int((~torch.isfinite(bad)).reshape(len(bad), -1).any(1).nonzero()[0, 0])
+                raise ConversionError(f"{self.source}: tensor {self.t.name!r} ({kind.name}) holds NaN or inf (a "
+                                      f"non-finite block scale or value in its row {row} as stored); the file is "
+                                      "corrupt: its weights cannot be kept, download it again")
+            for s, p in chunk.items():
+                parts[s][i:i + len(exact)] = p
+            stored = quantized.dequantize(self.form, chunk)
+            computed = quantized.computed_values(self.form, chunk)
+            worst[1:] = [_worst(worst[1], float((stored - exact).abs().max())),
+                         _worst(worst[2], float((computed - exact).abs().max())),
+                         _worst(worst[3], float(exact.abs().max()))]
+        return {s: in_hf_rope_order(p, self.name, self.cfg, self.permuted) for s, p in parts.items()}
 
 
 def error_table(errors: dict) -> str:
@@ -604,6 +646,22 @@ def error_table(errors: dict) -> str:
     for name, (form, stored, computed, peak) in sorted(errors.items()):
         lines.append(f"{name:<6} {form:<5} {stored:>18.3g}  {computed:>21.3g}  {peak:>10.3g}")
     return "\n".join(lines)
+
+
+def tensor_entries(reader, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, dtype: str, keep_quant: bool,
+                   permuted: bool, errors: dict, source: str) -> list[TensorEntry]:
+    """The file's tensors as the checkpoint's, each made when the writer reaches it: dequantized to `dtype`, or
+    (keep_quant) a quantized matrix's kept parts."""
+    entries = []
+    for t in reader.tensors:
+        check_tensor_type(t)
+        name = gguf_to_minispec_name(t.name)
+        if keep_quant and t.tensor_type.name not in FLOAT_TYPES and len(shapes[t.name]) == 2:
+            entries += KeptTensor(t, name, shapes[t.name], cfg, permuted, errors, source).entries()
+        else:
+            entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
+                                       lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
+    return entries
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", overwrite: bool = False,
@@ -636,15 +694,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     errors = {} if errors is None else errors
     tok_files = tokenizer_files(meta)
     permuted = ROPE_PERMUTED[meta["general.architecture"]]
-    entries = []
-    for t in reader.tensors:
-        check_tensor_type(t)
-        name = gguf_to_minispec_name(t.name)
-        if keep_quant and t.tensor_type.name not in FLOAT_TYPES and len(shapes[t.name]) == 2:
-            entries += KeptTensor(t, name, shapes[t.name], cfg, permuted, errors).entries()
-        else:
-            entries.append(TensorEntry(name, shapes[t.name], DTYPES[dtype],
-                                       lambda t=t, name=name: load_tensor(t, name, cfg, permuted)))
+    entries = tensor_entries(reader, shapes, cfg, dtype, keep_quant, permuted, errors, str(src))
     try:
         got, _ = quantized.split_kept({e.name: e.shape for e in entries},
                                       {e.name: ST_DTYPE[e.dtype] for e in entries}, str(src))
@@ -658,7 +708,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         cfg.save(str(tmp / CONFIG_NAME))
         for name, data in tok_files.items():
             (tmp / name).write_bytes(data)
-        check_output_loads(tmp, dst, src)
+        del entries, reader  # the file's memory map goes: its pages would count again beside the loaded model
+        check_output_loads(tmp, dst, src, int4=False if int4 else None)  # a kept checkpoint: as users load it
     return cfg
 
 
@@ -676,8 +727,14 @@ def main(argv=None) -> int:
 
     def job() -> str:
         errors = {}
-        cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet,
-                      int4=args.int4, keep_quant=args.keep_quant, errors=errors)
+        try:
+            cfg = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet,
+                          int4=args.int4, keep_quant=args.keep_quant, errors=errors)
+        except (MemoryError, RuntimeError) as e:  # torch's CPU allocator says so with a RuntimeError
+            if not out_of_memory(e):
+                raise
+            raise ConversionError(f"out of memory converting {args.src} ({one_line(e)}); nothing was written: free "
+                                  "memory or raise this process's limit (ulimit -v) and run it again") from None
         form = " (int4 products on a CPU)" if args.int4 else " (quantization kept)" if args.keep_quant else ""
         return (f"wrote {args.dst}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
                 f"vocab {cfg.vocab_size}, {args.dtype}{form}" + (f"\n{error_table(errors)}" if errors else ""))
