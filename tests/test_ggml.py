@@ -1,0 +1,104 @@
+"""The quantized product through llama.cpp's kernels (minispec.ggml, native/ggml_shim.c).
+
+- ggml's own dequantization equals gguf-py's on random valid Q4_K and Q6_K blocks (and on Q5_0 / Q8_0
+  blocks gguf-py quantizes), so the product multiplies the file's values.
+- The product against the float product of those values: activations are quantized to Q8_K (Q8_0 for
+  Q5_0 / Q8_0) first, so it is not the float product; the bound per type, stated below, is measured.
+- Every row count from 1 to 16: each row's output identical to that row computed alone, and at 1 and
+  2 threads identical.
+- Without the library: one line says so, once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minispec import ggml
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from test_quantized import random_blocks  # noqa: E402
+
+needs_library = pytest.mark.skipif(not ggml.available(), reason="the quantized product is not built "
+                                   "(python tools/build_ggml.py)")
+KINDS = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q5_0": Q.Q5_0, "q8_0": Q.Q8_0}
+# |product - float product| <= BOUND * sum_i |w_i x_i| over a row: Q8_K rounds each activation to within half
+# a step of 127 steps of its 256-value block's max (1/254 of it), Q8_0 likewise over 32 values with an fp16
+# scale; measured on these random blocks: 0.54 of the bound (Q4_K), 0.40 (Q6_K), 0.18 (Q5_0, Q8_0)
+BOUND = {"q4_k": 1 / 254, "q6_k": 1 / 254, "q5_0": 1 / 200, "q8_0": 1 / 200}
+
+
+def blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    if kind in ("q4_k", "q6_k"):  # gguf-py has no K-quantizer: random valid blocks
+        return random_blocks(KINDS[kind], n, k, 0.01, seed)
+    w = np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32)
+    return gguf.quants.quantize(w, KINDS[kind])
+
+
+def values(raw: np.ndarray, kind: str, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw, KINDS[kind]), dtype=np.float32).reshape(n, k))
+
+
+@needs_library
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ggml_reads_the_file_values_gguf_reads(kind):
+    n, k = 24, 512
+    raw = blocks(kind, n, k, 1)
+    assert torch.equal(ggml.dequantize(kind, torch.from_numpy(raw), k), values(raw, kind, n, k))
+
+
+@needs_library
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_product_within_the_activation_rounding_of_the_float_product(kind):
+    n, k = 40, 1024
+    raw = blocks(kind, n, k, 2)
+    w = ggml.GgmlWeight(kind, torch.from_numpy(raw), k)
+    exact = values(raw, kind, n, k).double()
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
+    got, want = w(x).double(), x.double() @ exact.T
+    scale = x.double().abs() @ exact.abs().T
+    err = (got - want).abs() / scale
+    assert (err <= BOUND[kind]).all(), err.max()
+    assert err.max() > 0  # the activations are rounded: not the float product
+
+
+@needs_library
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind):
+    n, k = 136, 768  # an output count no thread split divides evenly
+    w = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([w(x[i:i + 1]) for i in range(16)])
+        for rows in range(1, 17):
+            assert torch.equal(w(x[:rows]), alone[:rows]), rows
+        torch.set_num_threads(2)
+        for rows in range(1, 17):
+            assert torch.equal(w(x[:rows]), alone[:rows]), rows
+        # more rows than one pass takes: the rest in further passes, each row still its own product
+        many = torch.randn(ggml.MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(6))
+        assert torch.equal(w(many)[-3:], torch.cat([w(many[i:i + 1]) for i in range(ggml.MAX_ROWS, len(many))]))
+    finally:
+        torch.set_num_threads(before)
+    # the negative control: a row computed with other weights differs (the comparison can fail)
+    other = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 7)), k)
+    assert not torch.equal(other(x[:1]), alone[:1])
+
+
+@needs_library
+def test_wrong_block_bytes_are_one_line_errors():
+    with pytest.raises(ValueError, match="rows of 288 bytes") as e:
+        ggml.GgmlWeight("q4_k", torch.zeros(4, 287, dtype=torch.uint8), 512)
+    assert "\n" not in str(e.value)
+
+
+def test_without_the_library_one_line_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(ggml, "_library", lambda: None)
+    monkeypatch.setattr(ggml, "_told", False)
+    assert not ggml.available() and not ggml.available()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not built" in err

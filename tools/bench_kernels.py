@@ -1,0 +1,115 @@
+"""The kernel table: every candidate product for a kept 1.5B's matrix shapes, by rows and threads.
+
+For each shape (the 1.5B's q/o 1536 x 1536, k/v 256 x 1536, gate/up 8960 x 1536, down 1536 x 8960 and the
+151,936-row head) and each candidate, the median time of a product of 1, 2, 3, 4, 5, 8, 9, 12 and 16 rows at
+1 and 2 threads, the GB/s of the weight's bytes that makes, and whether every row's output bits are the
+same in a pass of every row count as computed alone (a kept target's exactness needs it). Candidates:
+
+- `ggml q4_k`, `ggml q6_k`: a GGUF's own blocks through llama.cpp's kernels (minispec.ggml; skipped if the
+  library is not built);
+- `aten int4`: PyTorch's `_weight_int4pack_mm_for_cpu` (kernels.Int4Weight, the int4 groups form);
+- `aten int8`: PyTorch's `_weight_int8pack_mm` (kernels.Int8Weight, the int8 rows form);
+- `bf16`, `fp32`: the dense float product (`F.linear`; fp32 through kernels.linear's probed form).
+
+Random weights (valid blocks); the timing, not the values, is the point. Run quiet, e.g. `nice -n -5
+python tools/bench_kernels.py`; about 4 minutes on 2 cores. `--quick` times fewer row counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minispec import ggml, kernels, quantized  # noqa: E402
+
+SHAPES = {"q/o 1536x1536": (1536, 1536), "k/v 256x1536": (256, 1536), "gate/up 8960x1536": (8960, 1536),
+          "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}
+ROWS = (1, 2, 3, 4, 5, 8, 9, 12, 16)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """(n, row bytes) valid blocks: random bytes, the fp16 scales small and finite."""
+    _, values, size = ggml.TYPES[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n * k // values, size), dtype=np.uint8)
+    d = (rng.random((len(b), 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if kind == "q6_k":
+        b[:, -2:] = d[:, :2]  # d last
+    else:
+        b[:, 0:4] = d  # d and dmin first
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+def candidates(n: int, k: int, seed: int) -> dict:
+    """name -> (product function of x, weight bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    out = {}
+    if ggml.available():
+        for kind in ("q4_k", "q6_k"):
+            gw = ggml.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
+            out[f"ggml {kind}"] = (gw.product, gw.blocks.numel())
+    i4 = kernels.Int4Weight(w)
+    out["aten int4"] = (i4.product, i4.packed.numel() * i4.packed.element_size() + i4.scales.numel() * 2)
+    parts = quantized.int8_rows(w)
+    i8 = kernels.Int8Weight(parts["q8"], parts["q8_scale"])
+    out["aten int8"] = (i8.product, n * k + n * 2)
+    wb = w.bfloat16()
+    out["bf16"] = (lambda x: F.linear(x.bfloat16(), wb), n * k * 2)
+    out["fp32"] = (lambda x: kernels.linear(x, w), n * k * 4)
+    return out
+
+
+def median_ms(fn, x, reps: int) -> float:
+    fn(x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="rows 1, 5, 9, 16 only")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from: " + ", ".join(SHAPES))
+    p.add_argument("--threads", default="1,2")
+    args = p.parse_args(argv)
+    rows = (1, 5, 9, 16) if args.quick else ROWS
+    threads_before = torch.get_num_threads()
+    print(f"torch {torch.__version__}; ms (GB/s of weight bytes); 'same bits' = every row equals it computed alone")
+    try:
+        with torch.inference_mode():
+            for si, name in enumerate(args.shapes.split(",")):
+                n, k = SHAPES[name]
+                x = torch.randn(max(rows), k, generator=torch.Generator().manual_seed(si))
+                forms = candidates(n, k, si)
+                reps = 5 if n * k > 1e8 else 15
+                for form, (fn, nbytes) in forms.items():
+                    alone = torch.cat([fn(x[i:i + 1]).float() for i in range(max(rows))])
+                    same = all(torch.equal(fn(x[:r]).float(), alone[:r]) for r in rows)
+                    for t in map(int, args.threads.split(",")):
+                        torch.set_num_threads(t)
+                        cells = []
+                        for r in rows:
+                            ms = median_ms(fn, x[:r], reps)
+                            cells.append(f"{ms:7.3f} ({nbytes / ms / 1e6:5.1f})")
+                        print(f"{name:18} {form:10} {t}t same bits {'yes' if same else 'NO ':3} | "
+                              + " ".join(f"{r}:{c}" for r, c in zip(rows, cells)), flush=True)
+                del forms
+    finally:
+        torch.set_num_threads(threads_before)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
