@@ -569,6 +569,32 @@ def _spec(fake_bin, out, samples=3, **kw):
                                          bin_path=fake_bin, **{**args, **kw})
 
 
+SPECULATIVE_LOG = """set_abort_callback: call
+done_getting_tensors: tensor 'token_embd.weight' (f32) (and 11 others) cannot be used with preferred buffer type \
+CPU_REPACK, using CPU instead
+main: draft model vocab must closely match target model to use speculation but target vocab size 16 does not match \
+draft vocab size 151936 - difference 151920, max allowed 128
+~llama_context:        CPU compute buffer size is   9.3794 MiB, matches expectation of   9.3794 MiB
+"""
+SERVER_LOG = """0.00.015.600 I build: 0
+0.00.015.627 E gguf_init_from_reader: this GGUF file is version 1802401130 but this software only supports up to \
+version 3
+0.00.015.627 E gguf_init_from_reader: failed to read header
+0.00.015.646 I srv    operator(): operator(): cleaning up before exit...
+0.00.016.719 E srv  llama_server: exiting due to model loading error
+"""
+
+
+@pytest.mark.parametrize("log, cause", [
+    (SPECULATIVE_LOG, "main: draft model vocab must closely match"),  # llama-speculative's -lv 5 log, no levels
+    (SERVER_LOG, "gguf_init_from_reader: this GGUF file is version"),  # llama-server's, levels shown: the first E
+    ("", "(no output)"),  # a crash before its log was flushed
+])
+def test_the_cause_of_a_failure_is_read_from_the_log(log, cause):
+    """Real logs of llama.cpp's programs failing (a draft of another vocabulary, a file that is no GGUF)."""
+    assert llama_server.log_cause(log).startswith(cause)
+
+
 def test_a_failed_first_sample_shows_the_cause_and_leaves_no_file(fake_bin, tmp_path, monkeypatch):
     out = tmp_path / "s.jsonl"
     monkeypatch.setenv("FAKE_SPEC_MODE", "fail")

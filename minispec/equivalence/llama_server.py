@@ -181,12 +181,18 @@ class ServerClient:
         return None if info is None else " ".join(info.split())[:200]
 
 
+_LEVELLED_ERROR = re.compile(r"^[\d.]*\s*E\s+(.*)$")  # a line of llama.cpp's log at level E (with its prefix on)
+_SAYS_ERROR = re.compile(r"\berror\b|\bfailed\b|GGML_ASSERT|\bmust\b|\bunable\b|\binvalid\b|\bdoes not\b", re.I)
+
+
 def log_cause(text: str) -> str:
-    """The line of a llama.cpp program's log that says why it failed: the first one saying error or failed
-    (the root cause: what follows is its consequences), else the last line."""
+    """The line of a llama.cpp program's log that says why it failed: its first error-level line where the log
+    shows levels (the root cause: the rest are its consequences), else the last line that says something went
+    wrong (a debug log names the failure near its end, before the teardown's lines), else the last line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    cause = next((ln for ln in lines if re.search(r"error|failed|GGML_ASSERT|abort", ln, re.I)), None)
-    return (cause or (lines[-1] if lines else "(no output)"))[:300]
+    levelled = next((m.group(1) for ln in lines if (m := _LEVELLED_ERROR.match(ln))), None)
+    said = next((ln for ln in reversed(lines) if _SAYS_ERROR.search(ln)), None)
+    return (levelled or said or (lines[-1] if lines else "(no output)"))[:300]
 
 
 class _Alive:
