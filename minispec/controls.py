@@ -46,6 +46,10 @@ from the registry:
   actually drafted is exact, not a bug: accepting with p(x) and resampling from p
   without x gives p for any proposal (tests/test_speculative_mc.py checks it); it
   only lowers the acceptance, which is what that PR's speedup recovered.
+- "tree-independent" (tree rounds only): each sibling of a tree node is tested against
+  the target's p at that node instead of the residual left by the siblings rejected
+  before it (and when all fail, the next token comes from the residual of p and the
+  last sibling's q): a multi-draft verifier that treats siblings as independent chains.
 
 At temperature 0 only "always-accept" differs from exact: with one-hot p and q
 the residual is p, and a one-hot draw reports the same q either way (and a
@@ -170,11 +174,18 @@ class OneHotQ(BrokenDraw):
         return k, sample_rows(p[k].unsqueeze(0), uniforms[k:])[0]
 
 
+class TreeIndependent(Control):
+    name = "tree-independent"
+
+    def tree_verify(self, draft_tokens, parents, q, p, uniforms):
+        return super().tree_verify(draft_tokens, parents, q, p, uniforms, siblings_see_residual=False)
+
+
 def register(*samplers: ExactSampler) -> None:
     for s in samplers:
         SAMPLERS[s.name] = s
 
 
 register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft(), TargetAtT1(), ResidualDraftedOnly(), ArgMax(),
-         OneHotQ())
+         OneHotQ(), TreeIndependent())
 CONTROLS = tuple(name for name, s in SAMPLERS.items() if isinstance(s, Control))  # the names, in that order

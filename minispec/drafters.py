@@ -12,6 +12,7 @@ import torch
 
 from .errors import GenerationError, check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
+from .tree import draw_children, fitting, top_children
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
 
@@ -51,9 +52,11 @@ class CachedRows:
             self.cache.free(s)
 
     def feed(self, rows: list[int], tokens: list[list[int]], all_logits: bool = False,
-             hidden: bool = False) -> torch.Tensor:
+             hidden: bool = False, parents: list[list[int]] | None = None) -> torch.Tensor:
         """Append each row's pending tokens (first feed of a round only) and then tokens[j]; return the logits
-        (or the hidden states: see Transformer.step)."""
+        (or the hidden states: see Transformer.step). parents (a tree round): per row, each token's parent among
+        the tokens fed this round (an index into them, -1: the last committed token); None: a chain."""
+        tree = None if parents is None else [self._in_sequence(r, p) for r, p in zip(rows, parents)]
         lists = []
         for r, t in zip(rows, tokens):
             lists.append(self.pending[r] + t)
@@ -61,8 +64,8 @@ class CachedRows:
             self.fed.setdefault(r, []).extend(t)
         seqs = [self.seq[r] for r in rows]
         if self.on_hidden is None:
-            return self.model.step(self.cache, seqs, lists, all_logits=all_logits, hidden=hidden)
-        h = self.model.step(self.cache, seqs, lists, hidden=True)
+            return self.model.step(self.cache, seqs, lists, all_logits=all_logits, hidden=hidden, parents=tree)
+        h = self.model.step(self.cache, seqs, lists, hidden=True, parents=tree)
         self.on_hidden(rows, [h[b, :len(t)] for b, t in enumerate(lists)])
         if hidden:
             return h
@@ -70,12 +73,26 @@ class CachedRows:
             return self.model.logits(h).float()
         return self.model.logits(h[torch.arange(len(rows)), torch.tensor([len(t) - 1 for t in lists])]).float()
 
-    def commit(self, row: int, new_tokens: list[int]) -> None:
-        """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest."""
+    def _in_sequence(self, row: int, parents: list[int]) -> list[int]:
+        """A tree feed's parents as indices in the row's cache sequence, its pending tokens (a chain) first."""
+        start, pending = self.cache.length(self.seq[row]), len(self.pending[row])
+        root = start + pending - 1 - len(self.fed.get(row, []))  # the last committed token
+        return [start + i - 1 for i in range(pending)] + [root if p < 0 else root + 1 + p for p in parents]
+
+    def commit(self, row: int, new_tokens: list[int], path: list[int] | None = None) -> None:
+        """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest. path (a
+        tree round): the accepted nodes, indices into the tokens fed this round; the cache keeps those it was fed
+        (PagedKVCache.keep_path) and drops their siblings first."""
         fed = self.fed.pop(row, None)
         if fed is None:  # not fed this round: everything committed is still to be fed
             self.pending[row] += new_tokens
             return
+        if path is not None:
+            s = self.seq[row]
+            root = self.cache.length(s) - len(fed) - 1
+            kept = [j for j in path if j < len(fed)]  # a prefix of the path: a draft is never fed its last depth
+            self.cache.keep_path(s, root + 1, [root + 1 + j for j in kept])
+            fed = [fed[j] for j in kept]
         keep = 0
         while keep < min(len(fed), len(new_tokens) - 1) and fed[keep] == new_tokens[keep]:
             keep += 1
@@ -102,6 +119,10 @@ class Drafter:
         (n_j, V) float64 distributions they were drawn from; contexts[row] is prompt + committed tokens;
         gens[row] is the row's generator (a drafter that samples must draw only from it).
     commit(row, tokens): the round committed these tokens to the row.
+    propose_tree(rows, shapes, contexts, gens) -> (tokens, parents, q): a tree round's (speculate's `tree`): for
+        each rows[j] a tree of shape shapes[j] (minispec.tree): its nodes breadth-first, each one's parent (-1: the
+        last committed token), the distributions each was drawn from given its earlier siblings; the round's
+        commit(row, tokens, path) then names the accepted nodes. A drafter without it drafts chains only.
     finish(row, keep): the row is done; release it unless keep.
     steps: the draft forward passes the last propose() ran (what k="auto" divides its time by).
     reads_hidden, see_hidden(rows, states): the one hook through which a drafter reads the target's features.
@@ -127,6 +148,9 @@ class Drafter:
     def commit(self, row: int, tokens: list[int]) -> None:
         pass
 
+    def propose_tree(self, rows, shapes, contexts, gens):
+        raise GenerationError(f"{type(self).__name__} drafts chains only: pass k, or a model draft for a tree")
+
     def finish(self, row: int, keep: bool = False) -> None:
         pass
 
@@ -148,6 +172,20 @@ def draw_step(logits: torch.Tensor, params: SamplingParams, gens: list, draw: Dr
     probs = logits_to_probs(logits, params).double().cpu()  # (B, V)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens])
     return draw(logits, probs, u)
+
+
+def add_picks(live: list[int], picks: list[int], q: torch.Tensor | None, tokens: dict, qs: dict) -> None:
+    """A draft step's picks (and their q rows, unless greedy) appended to each live row's tokens and qs."""
+    for b, (r, d) in enumerate(zip(live, picks)):
+        tokens[r].append(d)
+        if q is not None:
+            qs[r].append(q[b])
+
+
+def as_proposal(rows: list[int], tokens: dict, qs: dict, vocab_size: int) -> tuple[list, list]:
+    """Per-row drafts and q rows -> what propose() returns (q one-hot on the tokens where drafting was greedy)."""
+    return ([tokens[r] for r in rows],
+            [torch.stack(qs[r]) if qs[r] else one_hot(tokens[r], vocab_size) for r in rows])
 
 
 class ModelDrafter(Drafter):
@@ -178,18 +216,49 @@ class ModelDrafter(Drafter):
         for j in range(self.steps):
             live = [r for r in rows if ks[r] > j]
             logits = self.rows.feed(live, [tokens[r][-1:] for r in live])  # j = 0 feeds only the pending tokens
-            picks, q = draw_step(logits, self.params, [gens[r] for r in live], self.draw)
-            for b, (r, d) in enumerate(zip(live, picks)):
-                tokens[r].append(d)
-                if q is not None:
-                    qs[r].append(q[b])
-        V = self.model.config.vocab_size
-        return ([tokens[r] for r in rows],
-                [torch.stack(qs[r]) if qs[r] else one_hot(tokens[r], V) for r in rows])
+            add_picks(live, *draw_step(logits, self.params, [gens[r] for r in live], self.draw), tokens, qs)
+        return as_proposal(rows, tokens, qs, self.model.config.vocab_size)
 
-    def commit(self, row, tokens):
+    def propose_tree(self, rows, shapes, contexts, gens):
+        """One draft pass per depth, over the nodes of the depth before (the first: the pending tokens); every
+        node's children drawn without replacement (tree.draw_children), or its top b_i when greedy (q one-hot)."""
+        V = self.model.config.vocab_size
+        nodes = {r: ([], [], []) for r in rows}  # row -> tokens, parents, q
+        # the draft's cache holds the context and every node but the last depth's: they must fit its window
+        depth = {r: min(len(sh), len(fitting(sh, self.max_len - len(contexts[r]))) + 1)
+                 if r in self.rows.seq and len(contexts[r]) <= self.max_len else 0 for r, sh in zip(rows, shapes)}
+        frontier = {r: [-1] for r in rows}  # the nodes whose children the next pass draws (-1: the root)
+        shape = dict(zip(rows, shapes))
+        self.steps = max(depth.values(), default=0)
+        for i in range(self.steps):
+            live = [r for r in rows if depth[r] > i]
+            if i == 0:  # the pending tokens: the root's logits, (B, 1, V)
+                logits = self.rows.feed(live, [[] for _ in live]).unsqueeze(1)
+            else:
+                logits = self.rows.feed(live, [[nodes[r][0][j] for j in frontier[r]] for r in live], all_logits=True,
+                                        parents=[[nodes[r][1][j] for j in frontier[r]] for r in live])
+            probs = None if self.params.greedy else logits_to_probs(logits, self.params).double().cpu()
+            for b, r in enumerate(live):
+                tokens, parents, qs = nodes[r]
+                grown = []
+                for m, f in enumerate(frontier[r]):
+                    if probs is None:
+                        kids = top_children(logits[b, m], shape[r][i])
+                        kq = list(one_hot(kids, V))
+                    else:
+                        kids, kq = draw_children(probs[b, m], shape[r][i],
+                                                 torch.rand(shape[r][i], generator=gens[r], dtype=torch.float64))
+                    grown += range(len(tokens), len(tokens) + len(kids))
+                    tokens += kids
+                    parents += [f] * len(kids)
+                    qs += kq
+                frontier[r] = grown
+        return ([nodes[r][0] for r in rows], [nodes[r][1] for r in rows],
+                [torch.stack(nodes[r][2]) if nodes[r][2] else torch.zeros(0, V, dtype=torch.float64) for r in rows])
+
+    def commit(self, row, tokens, path=None):
         if row in self.rows.seq:
-            self.rows.commit(row, tokens)
+            self.rows.commit(row, tokens, path)
 
     def finish(self, row, keep=False):
         if row in self.rows.seq and not keep:

@@ -305,15 +305,24 @@ def row_wise_attention(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int) -> t
 def each_row_alone(q: torch.Tensor, ctx: torch.Tensor, n_kv_heads: int, ends: list[list[int]]) -> torch.Tensor:
     """A batch's attention with each query row of each sequence as its own call over its own keys, the call a
     one-sequence decode step makes for that position: ends[b][t] keys for row t of sequence b (0: padding, left
-    zero). Batched, SDPA's result for a row depends on the other sequences' lengths (the padding it masks)."""
+    zero), the first n, or a tree token's key indices (a tensor: its context and ancestors, gathered in order, so
+    the call is the one a chain of those tokens makes). Batched, SDPA's result for a row depends on the other
+    sequences' lengths (the padding it masks)."""
     Hkv, out = n_kv_heads, q.new_zeros(q.shape)
     for b, row_ends in enumerate(ends):
         for t, n in enumerate(row_ends):
-            if n:
+            if isinstance(n, torch.Tensor) or n:
+                kv = ctx[b:b + 1, :, n] if isinstance(n, torch.Tensor) else ctx[b:b + 1, :, :n]
                 out[b:b + 1, :, t:t + 1] = F.scaled_dot_product_attention(
-                    q[b:b + 1, :, t:t + 1], ctx[b:b + 1, :Hkv, :n], ctx[b:b + 1, Hkv:, :n],
-                    enable_gqa=q.shape[1] != Hkv)
+                    q[b:b + 1, :, t:t + 1], kv[:, :Hkv], kv[:, Hkv:], enable_gqa=q.shape[1] != Hkv)
     return out
+
+
+def attends_row_wise(q: torch.Tensor) -> bool:
+    """Whether attention over q (B, H, T, D) goes row by row (`row_wise_attention`): a bf16 pass over several
+    tokens of one sequence on a CPU, fast paths on."""
+    return (q.device.type == "cpu" and enabled() and q.shape[0] == 1 and q.shape[2] > 1
+            and q.dtype == torch.bfloat16)
 
 
 def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_kv_heads: int,
@@ -324,11 +333,10 @@ def attention(q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, n_k
     passes must agree row by row: minispec.quantized), a batch's rows each alone (`each_row_alone`); else one
     SDPA call."""
     B, H, T = q.shape[:3]
-    if q.device.type == "cpu" and enabled():
-        if ends is not None and B * T > 1:
-            return each_row_alone(q, ctx, n_kv_heads, ends)
-        if B == 1 and T > 1 and q.dtype == torch.bfloat16:
-            return row_wise_attention(q, ctx, n_kv_heads)
+    if q.device.type == "cpu" and enabled() and ends is not None and B * T > 1:
+        return each_row_alone(q, ctx, n_kv_heads, ends)
+    if attends_row_wise(q):
+        return row_wise_attention(q, ctx, n_kv_heads)
     return F.scaled_dot_product_attention(q, ctx[:, :n_kv_heads], ctx[:, n_kv_heads:], attn_mask=mask,
                                           enable_gqa=H != n_kv_heads)
 

@@ -143,7 +143,9 @@ class Attention(nn.Module):
                 pool[meta.write_slots] = kv[:, 0] if T == 1 else kv[meta.valid]
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
-            out = kernels.attention(q, ctx, meta.mask, Hkv, meta.row_ends() if self.same_rows else None)
+            # rows computed alone: a kept quantization's, and a tree's on the row-wise path (each over its own keys)
+            alone = self.same_rows or meta.keys is not None and kernels.attends_row_wise(q)
+            out = kernels.attention(q, ctx, meta.mask, Hkv, meta.row_ends() if alone else None)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return kernels.linear(out, self.o_proj.weight)
 
@@ -322,11 +324,14 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def step(self, cache: PagedKVCache, seqs: list[int], new_tokens: list[list[int]],
-             all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+             all_logits: bool = False, hidden: bool = False, parents: list[list[int] | None] | None = None
+             ) -> torch.Tensor:
         """Append new_tokens[b] to sequence seqs[b] in `cache` and run them through the model (prefill: the
         whole prompt). Returns fp32 logits: (B, vocab) for each sequence's last new token, or with all_logits
         (B, T, vocab) for every new token (right-padded to T = max length); with hidden, the final (normed)
-        hidden states (B, T, dim), for a caller that applies `logits()` only where it needs them."""
+        hidden states (B, T, dim), for a caller that applies `logits()` only where it needs them. parents (a tree
+        round): each new token's parent index in its sequence (PagedKVCache.prepare): it attends its ancestors
+        only, at the position of its depth."""
         n_new = [len(t) for t in new_tokens]
         if min(n_new) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
@@ -337,7 +342,7 @@ class Transformer(nn.Module):
         T = max(n_new)
         padded = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)  # (B, T)
         check_token_ids(padded, self.config.vocab_size)
-        meta = cache.prepare(seqs, n_new)
+        meta = cache.prepare(seqs, n_new, parents)
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))

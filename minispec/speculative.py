@@ -29,6 +29,7 @@ from .errors import (
 )
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
+from .tree import check_tree, check_tree_proposal, depths, fitting, tree_size
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -110,12 +111,85 @@ def greedy_verify(target, h: torch.Tensor, n_pending: list[int], drafts: list[li
     return n_acc, nxt
 
 
+def tree_verify(draft_tokens: list[int], parents: list[int], q: torch.Tensor, p: torch.Tensor,
+                uniforms: torch.Tensor, siblings_see_residual: bool = True) -> tuple[list[int], int]:
+    """The acceptance step of one tree round for one sequence: recursive rejection sampling down the tree. Pure.
+
+    draft_tokens: the n nodes breadth-first (siblings in the order they were drawn); parents[j]: node j's parent
+    (an earlier node, or -1: the root, the last committed token); q: (n, V), q[j] the distribution node j was drawn
+    from GIVEN its earlier siblings; p: (n + 1, V), p[0] the target's at the root and p[j + 1] after node j;
+    uniforms: (n + 1,), uniforms[j] decides node j and uniforms[n] draws the next token. Returns (path, next_token):
+    the accepted nodes root to leaf, then the token after them. A chain (parents -1, 0, 1, ...) is `verify`.
+
+    The walk, at a node whose target distribution is r = p[node]: its children c_1, c_2, ... in order; c_i is
+    accepted with probability min(1, r(c_i) / q_i(c_i)), and then the walk moves to c_i (r = p[c_i]); after a
+    rejection r becomes the residual norm(max(0, r - q_i)) and the next sibling is tested against it; when every
+    child is rejected, the next token is drawn from the last r (for a leaf, which has no children, that is the
+    bonus token from p[leaf]).
+
+    Why the output has the target's law (SpecInfer: Miao et al. 2024, multi-step speculative sampling; for draws
+    without replacement, Jeon et al. 2024, "Recursive Speculative Decoding"): at each child the step is ordinary
+    speculative sampling of one token drawn from q_i against the target r: the token emitted there, by acceptance
+    or by whatever follows a rejection, has law r PROVIDED that what follows a rejection emits a token with law
+    norm(max(0, r - q_i)). That is exactly what testing the next sibling against that residual does (the same
+    argument one level down: c_{i+1} is drawn from q_{i+1} whatever happened to c_1..c_i, so its test is again
+    ordinary speculative sampling), and the last residual is sampled directly. By induction over siblings the
+    token emitted at a node has law p[node]; by induction over depth (a child's subtree was drawn given the child
+    alone) the whole continuation has the target's law. Siblings are drawn without replacement
+    (tree.draw_children): q_i is q renormalised without c_1..c_{i-1}, so no two siblings repeat a guess, which is
+    what keeps a wide tree useful at low temperature (i.i.d. siblings repeat the draft's favourite, and a repeat of
+    a rejected token is rejected surely: the residual has no mass there). Any q_i works, if it is the one c_i was
+    drawn from.
+
+    siblings_see_residual=False is the negative control "tree-independent": every sibling tested against r itself,
+    the last residual taken against the last sibling's q alone.
+    """
+    n = len(draft_tokens)
+    if q.shape[0] != n or p.shape[0] != n + 1 or uniforms.shape[0] != n + 1 or len(parents) != n:
+        raise ValueError(f"tree_verify needs parents ({n},), q ({n}, V), p ({n + 1}, V), uniforms ({n + 1},) for {n} "
+                         f"nodes; got {len(parents)}, q {tuple(q.shape)}, p {tuple(p.shape)}, "
+                         f"uniforms {tuple(uniforms.shape)}")
+    children: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        children.setdefault(par, []).append(j)
+    path, node, r = [], -1, p[0]
+    while True:
+        for j in children.get(node, []):
+            d = draft_tokens[j]
+            qd = float(q[j, d])
+            if qd <= 0.0:
+                raise ValueError(f"draft node {j} (token {d}) has q = 0: it cannot have been sampled from q; the "
+                                 "drafter must return the distribution it drew from")
+            tested = r if siblings_see_residual else p[node + 1]
+            if float(uniforms[j]) < float(tested[d]) / qd:  # P(u < ratio) = min(1, ratio)
+                path.append(j)
+                node, r = j, p[j + 1]
+                break
+            r = residual(tested, q[j])
+        else:  # every child rejected (or a leaf): the next token from what is left
+            return path, sample_rows(r.unsqueeze(0), uniforms[n:n + 1])[0]
+
+
+def greedy_tree_verify(draft_tokens: list[int], parents: list[int], top: list[int]) -> tuple[list[int], int]:
+    """tree_verify at temperature 0: top[j] is the target's argmax at the root (j = 0) and after node j - 1; the
+    walk moves to the child equal to it (siblings are distinct) and ends with the first argmax no child matches."""
+    path, node = [], -1
+    while True:
+        nxt = top[node + 1]
+        j = next((j for j, (t, par) in enumerate(zip(draft_tokens, parents)) if par == node and t == nxt), None)
+        if j is None:
+            return path, nxt
+        path.append(j)
+        node = j
+
+
 class ExactSampler:
     """The exact algorithm as three steps, so a negative control can replace exactly one of them.
 
     draw (a model draft's logits -> tokens and the q it reports), target_probs (the target's logits -> the p
-    verify is handed), verify (one row at temperature > 0), greedy_verify (a batch at temperature 0).
-    minispec.controls registers the broken ones in SAMPLERS.
+    verify is handed), verify (one row at temperature > 0), greedy_verify (a batch at temperature 0),
+    tree_verify (a tree round's walk, one row at temperature > 0). minispec.controls registers the broken ones in
+    SAMPLERS.
     """
 
     name = "exact"
@@ -123,6 +197,7 @@ class ExactSampler:
     target_probs = staticmethod(logits_to_probs)
     verify = staticmethod(verify)
     greedy_verify = staticmethod(greedy_verify)
+    tree_verify = staticmethod(tree_verify)
 
 
 # sampler name -> sampler; minispec.controls adds the negative controls that the exactness tests must reject
@@ -208,8 +283,9 @@ class Proposal:
 
     rows: list[int]  # the live rows (indices into the prompt batch), in the order of every list here
     k: int  # the round's k, fixed before anything was drafted
-    drafts: list[list[int]]  # per row: d_1..d_n (n <= k: a row's budget or the drafter may cut it)
+    drafts: list[list[int]]  # per row: d_1..d_n (n <= k: a row's budget or the drafter may cut it); a tree's nodes
     qs: list[torch.Tensor]  # per row: (n, V) the distributions the drafts were drawn from
+    parents: list[list[int]] | None = None  # a tree round: per row, each node's parent (-1: the root); None: chains
 
 
 @dataclass
@@ -223,6 +299,7 @@ class Verdict:
     # has had them already, through Drafter.see_hidden; nothing keeps them after the round.
     hidden: torch.Tensor
     n_pending: list[int]  # per row: the tokens fed before its drafts (at least the last committed one)
+    paths: list[list[int]] | None = None  # a tree round: per row, the accepted nodes, root to leaf
 
 
 class _Run:
@@ -230,8 +307,9 @@ class _Run:
     drafter's tokens), verify (one target pass and the acceptance step) and commit (outputs, stats, both caches)."""
 
     def __init__(self, target, drafter: Drafter, policy: ExactSampler, params: SamplingParams, batch, budgets,
-                 active, seed, stops, on_tokens, block_size: int, keep_caches: bool, stats: SpeculativeStats):
-        self.target, self.drafter, self.policy, self.params = target, drafter, policy, params
+                 active, seed, stops, on_tokens, block_size: int, keep_caches: bool, stats: SpeculativeStats,
+                 tree: tuple[int, ...] | None = None):
+        self.target, self.drafter, self.policy, self.params, self.tree = target, drafter, policy, params, tree
         self.budgets, self.active, self.stops, self.on_tokens = budgets, active, stops, on_tokens
         self.keep_caches, self.stats = keep_caches, stats
         self.out: list[list[int]] = [[] for _ in batch]
@@ -246,43 +324,70 @@ class _Run:
 
     def propose(self, k: int) -> Proposal:
         """The drafter's tokens for every live row, at most k each and never past a row's remaining budget (a
-        round commits at most k + 1 tokens)."""
-        ks = [min(k, self.budgets[i] - len(self.out[i]) - 1) for i in self.active]
-        proposal = self.drafter.propose(self.active, ks, self.contexts, self.gens)
-        drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, self.target.config.vocab_size)
-        return Proposal(list(self.active), k, drafts, qs)
+        round commits at most k + 1 tokens). A tree round: a tree per row, no deeper than the budget allows."""
+        room = [self.budgets[i] - len(self.out[i]) - 1 for i in self.active]
+        if self.tree is None:
+            ks = [min(k, r) for r in room]
+            proposal = self.drafter.propose(self.active, ks, self.contexts, self.gens)
+            drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, self.target.config.vocab_size)
+            return Proposal(list(self.active), k, drafts, qs)
+        window = self.target.config.max_seq_len  # the target's cache holds the context and every node
+        shapes = [fitting(self.tree[:r], window - len(self.contexts[i])) for r, i in zip(room, self.active)]
+        proposal = self.drafter.propose_tree(self.active, shapes, self.contexts, self.gens)
+        name = type(self.drafter).__name__
+        if not (isinstance(proposal, tuple) and len(proposal) == 3):
+            raise GenerationError(f"{name}.propose_tree must return (tokens, parents, q)")
+        drafts, qs = check_proposal(self.drafter, self.active, [tree_size(sh) for sh in shapes],
+                                    (proposal[0], proposal[2]), self.target.config.vocab_size)
+        parents = [check_tree_proposal(name, i, sh, d, par)
+                   for i, sh, d, par in zip(self.active, shapes, drafts, proposal[1])]
+        return Proposal(list(self.active), len(self.tree), drafts, qs, parents)
 
     def verify(self, prop: Proposal) -> Verdict:
         """ONE target pass over every row's pending tokens and drafts, then the acceptance step of each row.
 
         The pass gives hidden states (B, T, dim); p_1..p_{k+1} of row b come from those at its last pending token
-        and at each of its drafts."""
-        drafts, policy, params = prop.drafts, self.policy, self.params
+        and at each of its drafts. A tree's nodes are fed with their parents: each attends to the committed tokens
+        and its ancestors only, at the position of its depth, so its p is the one a chain along its path gets."""
+        drafts, policy, params, trees = prop.drafts, self.policy, self.params, prop.parents
         n_pending = [len(self.tgt.pending[i]) for i in prop.rows]
-        h = self.tgt.feed(prop.rows, drafts, hidden=True)
-        if params.greedy:
+        h = self.tgt.feed(prop.rows, drafts, hidden=True, parents=trees)
+        if params.greedy and trees is None:
             # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
             # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
-            accepted, nxt = policy.greedy_verify(self.target, h, n_pending, drafts)
+            return Verdict(*policy.greedy_verify(self.target, h, n_pending, drafts), h, n_pending)
+        b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
+        t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+        logits = self.target.logits(h[b_idx, t_idx]).float()
+        starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of logits: (sum k_b + 1, V)
+        if params.greedy:  # a tree: the target's argmax at every node, the walk to the child that matches it
+            top = logits.argmax(-1).tolist()
+            decided = [greedy_tree_verify(d, trees[b], top[starts[b]:starts[b + 1]]) for b, d in enumerate(drafts)]
         else:
-            b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
-            t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-            probs = policy.target_probs(self.target.logits(h[b_idx, t_idx]).float(), params).double().cpu()
-            starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of probs: (sum k_b + 1, V)
-            accepted, nxt = map(list, zip(*[
-                policy.verify(drafts[b], prop.qs[b], probs[starts[b]:starts[b + 1]],
-                              torch.rand(len(drafts[b]) + 1, generator=self.gens[i], dtype=torch.float64))
-                for b, i in enumerate(prop.rows)]))
-        return Verdict(accepted, nxt, h, n_pending)
+            probs = policy.target_probs(logits, params).double().cpu()
+            u = [torch.rand(len(d) + 1, generator=self.gens[i], dtype=torch.float64) for d, i in zip(drafts, prop.rows)]
+            decided = [policy.verify(drafts[b], prop.qs[b], probs[starts[b]:starts[b + 1]], u[b]) if trees is None else
+                       policy.tree_verify(drafts[b], trees[b], prop.qs[b], probs[starts[b]:starts[b + 1]], u[b])
+                       for b in range(len(drafts))]
+        first, nxt = (list(x) for x in zip(*decided))
+        if trees is None:
+            return Verdict(first, nxt, h, n_pending)
+        return Verdict([len(path) for path in first], nxt, h, n_pending, first)
 
     def commit(self, prop: Proposal, verdict: Verdict) -> None:
         """Each row's accepted drafts and next token, cut at a stop token or the budget, go to its output, the
         caller's on_tokens, both caches and the stats; a finished row leaves the live rows."""
         still = []
         for b, i in enumerate(prop.rows):
-            n = verdict.accepted[b]
-            self.stats._count(len(prop.drafts[b]), n)
-            new = prop.drafts[b][:n] + [verdict.next_tokens[b]]
+            n, path = verdict.accepted[b], None if verdict.paths is None else verdict.paths[b]
+            if path is None:
+                self.stats._count(len(prop.drafts[b]), n)
+                new = prop.drafts[b][:n] + [verdict.next_tokens[b]]
+            else:  # per position: the depths drafted and reached; drafted: every node
+                depth = max(depths(prop.parents[b]), default=0)
+                self.stats._count(depth, n)
+                self.stats.drafted += len(prop.drafts[b]) - depth
+                new = [prop.drafts[b][j] for j in path] + [verdict.next_tokens[b]]
             # a stop token inside the accepted run ends the sequence there
             new = new[:next((j for j, t in enumerate(new) if t in self.stops), len(new) - 1) + 1]
             self.out[i] += new
@@ -290,8 +395,11 @@ class _Run:
             self.stats.committed += len(new)
             if self.on_tokens is not None:
                 self.on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
-            self.tgt.commit(i, new)
-            self.drafter.commit(i, new)
+            self.tgt.commit(i, new, path)
+            if path is None:
+                self.drafter.commit(i, new)
+            else:
+                self.drafter.commit(i, new, path)
             if self.out[i][-1] in self.stops or len(self.out[i]) >= self.budgets[i]:
                 if not self.keep_caches:
                     self.tgt.free(i)
@@ -301,12 +409,16 @@ class _Run:
         self.active = still
 
 
+_K_UNSET = object()  # speculate's k when the caller gave none: 4, unless a tree is given
+
+
 @torch.inference_mode()
-def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_tokens: int = 64, temperature: float = 0.0,
-              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_tokens=None,
-              on_tokens: OnTokens | None = None, block_size: int = 16, sampler: str | ExactSampler = "exact",
-              keep_caches: bool = False) -> SpeculativeResult:
-    """Generate with `target`, `draft` proposing up to k tokens per round; exact in distribution.
+def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_new_tokens: int = 64,
+              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+              stop_tokens=None, on_tokens: OnTokens | None = None, block_size: int = 16,
+              sampler: str | ExactSampler = "exact", keep_caches: bool = False,
+              tree: tuple[int, ...] | None = None) -> SpeculativeResult:
+    """Generate with `target`, `draft` proposing up to k tokens per round (or a tree); exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
     k: draft tokens per round; "auto" picks k each round from the running acceptance estimate and the
@@ -314,7 +426,10 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_toke
       from earlier calls with the same draft, sampling settings and batch size (see auto_k): the output's
       distribution is exact, but the tokens of a seed can vary run to run with the timings; "auto-fixed"
       adapts k from the acceptance alone with fixed step costs (fixed_cost_ratio), so a seed always gives
-      the same tokens; or an AdaptiveK of your own.
+      the same tokens; or an AdaptiveK of your own. Default 4 (without a tree).
+    tree: instead of k, a token tree per round: (b_1, ..., b_d) gives every node at depth i - 1 up to b_i children,
+      drawn by the draft without replacement (greedy: its top b_i), all scored in one target pass and walked by
+      tree_verify (docs/design.md, "A tree round"). A model draft only.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
       minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
     sampler: "exact", or the name of a deliberately broken negative control (minispec.controls describes
@@ -328,7 +443,14 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_toke
     check_max_new_tokens(max_new_tokens)
     check_callable("on_tokens", on_tokens, GenerationError)
     policy = get_sampler(sampler)
-    if not (k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)):
+    if tree is not None:
+        if k is not _K_UNSET:
+            raise GenerationError("give k (a chain of drafts) or tree (a tree of them), not both")
+        tree, k = check_tree(tree), None
+    elif k is _K_UNSET:
+        k = 4
+    chain_k = k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)
+    if tree is None and not chain_k:
         raise GenerationError(f"k (draft tokens per round) must be an integer >= 1, 'auto', '{AUTO_FIXED}' or an "
                               f"AdaptiveK, got {show(k)}")
     stats = SpeculativeStats()
@@ -346,9 +468,9 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = 4, max_new_toke
     if not active:
         return SpeculativeResult([] if single else [[] for _ in batch], stats)
     run = _Run(target, drafter, policy, params, batch, budgets, active, seed, stops, on_tokens, block_size,
-               keep_caches, stats)
+               keep_caches, stats, tree)
     while run.active:
-        kr = adaptive.choose() if adaptive else k
+        kr = adaptive.choose() if adaptive else k if tree is None else len(tree)
         t0 = time.perf_counter()
         prop = run.propose(kr)
         t1 = time.perf_counter()
