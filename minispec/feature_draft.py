@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import kernels
 from .cache import PagedKVCache
 from .config import ModelConfig
-from .drafters import Drafter, draw_exact, draw_step, one_hot
+from .drafters import Drafter, add_picks, as_proposal, draw_exact, draw_step
 from .errors import GenerationError
 from .kernels import Int4Weight, int4_supported
 from .model import Block, RMSNorm, Transformer
@@ -235,15 +235,10 @@ class FeatureDrafter(Drafter):
                 feed_tokens = {r: tokens[r][-1:] for r in live}
             pred = self.model.step(self.cache, [self.seq[r] for r in live], [feed_states[r] for r in live],
                                    [self.embed(feed_tokens[r]) for r in live])
-            picks, q = draw_step(self.model.logits(pred), self.params, [gens[r] for r in live], self.draw)
-            for b, (r, d) in enumerate(zip(live, picks)):
-                feed_states[r] = pred[b:b + 1]
-                tokens[r].append(d)
-                if q is not None:
-                    qs[r].append(q[b])
-        V = self.model.config.vocab_size
-        return ([tokens[r] for r in rows],
-                [torch.stack(qs[r]) if qs[r] else one_hot(tokens[r], V) for r in rows])
+            add_picks(live, *draw_step(self.model.logits(pred), self.params, [gens[r] for r in live], self.draw),
+                      tokens, qs)
+            feed_states.update({r: pred[b:b + 1] for b, r in enumerate(live)})
+        return as_proposal(rows, tokens, qs, self.model.config.vocab_size)
 
     def commit(self, row, tokens):
         if row in self.seq:

@@ -4,6 +4,7 @@
     python tools/train_feature_draft.py train   --target DIR [--run RUN] [--steps N] [--minutes M] [--seed 0]
     python tools/train_feature_draft.py export  --target DIR [--run RUN] --out DIR
     python tools/train_feature_draft.py all     --target DIR --out DIR [--collect-minutes M] [--train-minutes M]
+    python tools/train_feature_draft.py measure --target KEPT_DIR --draft DIR [--n-prompts 8] [--max-new-tokens 128]
 
 collect (tools/feature_data.py): the target's states over its own greedy answers to the train code prompts
 and over site-packages source, into RUN/data. train: the draft's layer learns, at position i, from the
@@ -18,6 +19,8 @@ weights. Every stage resumes: kill it and run the same command again. Run it und
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -199,9 +202,72 @@ def export(target: Transformer, run_dir: Path, out: str) -> None:
     print(f"wrote {out}: step {state['step']}, validation top-1 agreement {state['best']:.3f}", file=sys.stderr)
 
 
+def draft_step_time(drafter, prompt: list[int], repeats: int = 30) -> float:
+    """Median seconds of one drafting step of a FeatureDrafter after `prompt`: the embedding lookup, one entry
+    through the layer, the head and the draw's argmax (random states: the cost does not depend on them)."""
+    draft = drafter.model
+    cache = draft.new_cache()
+    s = cache.new_sequence()
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(len(prompt), draft.target_dim, generator=g)
+    with torch.inference_mode():
+        draft.step(cache, [s], [states], [drafter.embed(prompt)])
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            draft.logits(draft.step(cache, [s], [states[-1:]], [drafter.embed(prompt[-1:])])).argmax(-1).tolist()
+            times.append(time.perf_counter() - t)
+            cache.truncate(s, len(prompt))
+    return statistics.median(times)
+
+
+def measure(target_dir: str, draft_dir: str, n_prompts: int, new_tokens: int, temperatures=(0.0, 0.7)) -> dict:
+    """On the coder bench prompts (never trained on): k="auto" with the draft, greedy and sampled, its acceptance
+    by position, tokens per round and k's, the step costs k="auto" measured in the loop and measured alone, and
+    tokens/s beside target-only decoding (interleaved per prompt)."""
+    from bench_cost import step_time
+    from bench_plan import CODER_PROMPTS, merge_stats
+
+    from minispec import load_draft
+    from minispec.adaptive import auto_k
+    from minispec.sampling import SamplingParams
+
+    target = Transformer.from_pretrained(target_dir)
+    drafter = load_draft(draft_dir, target)
+    prompts = [target.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CODER_PROMPTS[:n_prompts]]
+    target.speculate(drafter, prompts[0], k="auto", max_new_tokens=16)  # warm up: first touch, the thread tuner
+    out = {"target": target_dir, "draft": draft_dir, "new_tokens": new_tokens, "prompts": len(prompts),
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    for temp in temperatures:
+        stats, t_spec, t_plain, n_spec, n_plain = [], 0.0, 0.0, 0, 0
+        for i, ids in enumerate(tqdm(prompts, desc=f"T={temp}", file=sys.stderr)):
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                t = time.perf_counter()
+                if which == 0:
+                    res = target.speculate(drafter, ids, k="auto", max_new_tokens=new_tokens, temperature=temp, seed=i)
+                    t_spec += time.perf_counter() - t
+                    n_spec += len(res.tokens)
+                    stats.append(res.stats)
+                else:
+                    n_plain += len(target.generate(ids, max_new_tokens=new_tokens, temperature=temp, seed=i))
+                    t_plain += time.perf_counter() - t
+        st = merge_stats(stats)
+        est = auto_k(target, drafter, SamplingParams(temp), 1)
+        out[f"T={temp}"] = {
+            "acceptance": st.acceptance_rate, "tokens_per_round": st.mean_accepted,
+            "acceptance_by_position": [round(a, 3) for a in st.position_acceptance],
+            "drafted_by_position": st.position_drafted, "mean_k": sum(st.k_chosen) / max(len(st.k_chosen), 1),
+            "auto_step_ratio": est.draft_step_s / est.verify_cost(0) if est.draft_step_s else None,
+            "tok_s": n_spec / t_spec, "target_only_tok_s": n_plain / t_plain,
+            "speedup": n_spec / t_spec * t_plain / n_plain}
+    d, t = draft_step_time(drafter, prompts[0]), step_time(target, prompts[0], repeats=15)
+    out.update(draft_step_ms=d * 1e3, target_step_ms=t * 1e3, step_ratio=d / t)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=("collect", "train", "export", "all"))
+    ap.add_argument("stage", choices=("collect", "train", "export", "all", "measure"))
     ap.add_argument("--target", required=True, help="the target whose states the draft reads (fp32 is fastest)")
     ap.add_argument("--run", default=RUN)
     ap.add_argument("--out", default=None)
@@ -213,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--train-minutes", type=float, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default=None, help="measure: the draft directory (default --out)")
+    ap.add_argument("--n-prompts", type=int, default=8, help="measure: coder bench prompts")
     for name, f in TrainConfig.__dataclass_fields__.items():
         if name not in ("dim", "ffn_dim"):
             ap.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
@@ -226,6 +294,10 @@ def main(argv=None) -> int:
             collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
                     minutes=args.collect_minutes)
         if args.stage == "collect":
+            return 0
+        if args.stage == "measure":
+            report = measure(args.target, args.draft or args.out, args.n_prompts, args.max_new_tokens)
+            print(json.dumps(report, indent=2))
             return 0
         target = Transformer.from_pretrained(args.target, dtype=torch.float32)
         if args.stage in ("train", "all"):
