@@ -1,0 +1,260 @@
+"""Deployed engines reached by protocol: an OpenAI-compatible completions endpoint, or SGLang's native /generate.
+
+    endpoint = Endpoint("http://10.0.0.5:8000/v1", kind="openai")            # vLLM, llama.cpp, SGLang, ...
+    drawn = draw(endpoint, prompts, counts=[500], tokens=8, params=SamplingParams(0.7, 50, None), seed=0,
+                 vocab_size=49152, concurrency=4)
+    drawn.samples            # a SampleSet, for harness.audit_samples (with the target) or two_sample.compare
+
+`kind="openai"` POSTs `BASE/completions` (BASE ends in /v1; the model named by `model`, default the first of
+`BASE/models`); `kind="sglang"` POSTs `BASE/generate` with `input_ids` and `sampling_params`. Every request:
+
+- the prompt as token ids, never text, and its own seed (sample g: seed + g; with `mixed_seeds` every other
+  sample goes unseeded, as a batch mixing seeded and unseeded requests does);
+- every sampler stage written out, whatever the server's defaults: the stated temperature, top-k and top-p;
+  min-p 0; repetition, presence and frequency penalties neutral; no logit bias; no stop strings; end tokens
+  ignored and exactly `tokens` new ones asked for (vLLM's `min_tokens`, SGLang's `min_new_tokens`). The fields
+  of every engine the body may reach go in one body (an engine ignores another's fields): vLLM's and SGLang's
+  OpenAI fields, and llama.cpp's own chain (`samplers`, its `OFF` stages) as llama_server writes them;
+- the sampled ids read back as ids: vLLM's `logprobs.tokens` as "token_id:ID" (`return_tokens_as_token_ids`
+  with `logprobs` 1), llama.cpp's `logprobs.content[i].id` (its `n_probs`), SGLang's `output_ids`.
+
+What the server answers is checked: the model it names, exactly `tokens` ids in the target's vocabulary, its
+reported completion token count, a finish reason of length. Anything else is a one-line ServerError.
+Drafting is read where the engine reports it: llama.cpp's per-request `timings.draft_n` / `draft_n_accepted`,
+SGLang's `meta_info.spec_verify_ct` (verify passes) with its accepted count; None where it tells nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from ..errors import is_int, show
+from ..sampling import SamplingParams
+from .http import Cancel, ServerError, base_url, check_seconds, get_json
+from .llama_server import OFF, SAMPLERS
+from .samples import SampleSet, group
+
+KINDS = ("openai", "sglang")
+MAX_SEED = 2**32 - 2  # the smallest seed range of the engines (llama.cpp's uint32, 0xFFFFFFFF meaning random)
+# llama.cpp's stages, off, minus what the OpenAI body states in its own words (logit_bias, stop, n_probs)
+LLAMA_OFF = {k: v for k, v in OFF.items() if k not in ("logit_bias", "stop", "n_probs")}
+
+
+@dataclass
+class Drawn:
+    """What `draw` brings back: the samples, and the draft tokens the engine reported (None: it tells nothing)."""
+    samples: SampleSet
+    drafted: int | None = None
+    accepted: int | None = None
+    requests: int = 0
+    notes: list = field(default_factory=list)
+
+
+class Endpoint:
+    """One server under test. kind "openai": `url` is BASE (ending in /v1) of /completions and /models; kind
+    "sglang": `url` is the server's root, /generate. deadline: seconds per request, the whole answer."""
+
+    def __init__(self, url: str, kind: str = "openai", model: str | None = None, deadline: float = 300.0,
+                 cancel: Cancel | None = None):
+        if kind not in KINDS:
+            raise ServerError(f"kind must be one of {', '.join(KINDS)}; got {show(kind)}")
+        root = base_url(url)
+        path = url.strip().split(root.split("://", 1)[1], 1)[-1].rstrip("/") if "://" in url else ""
+        self.url, self.kind = root + path, kind
+        self.deadline = check_seconds(deadline, "the request deadline")
+        self.name = f"{'SGLang' if kind == 'sglang' else 'the OpenAI-compatible server'} at {self.url}"
+        self.cancel = cancel or Cancel()
+        self.model = model
+        if kind == "openai" and model is None:
+            self.model = self.models()[0]
+
+    def _get(self, path: str, payload=None):
+        return get_json(self.url + path, payload, deadline=self.deadline, server_name=self.name, cancel=self.cancel)
+
+    def models(self) -> list[str]:
+        """The ids of BASE/models (an OpenAI list: {"data": [{"id": ...}, ...]})."""
+        out = self._get("/models")
+        data = out.get("data") if isinstance(out, dict) else None
+        ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if not ids or not all(isinstance(i, str) and i for i in ids):
+            raise ServerError(f"{self.name}: /models lists no model ids (an OpenAI list {{\"data\": [{{\"id\": "
+                              "...}]}}); name the model with --model NAME")
+        return ids
+
+    def body(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None) -> dict:
+        """One request: exactly the stated settings, every other sampler stage off, end tokens ignored."""
+        top_k = -1 if params.top_k is None else params.top_k  # off for vLLM, SGLang and llama.cpp (k <= 0) alike
+        top_p = 1.0 if params.top_p is None else params.top_p
+        if self.kind == "sglang":
+            sp = dict(temperature=params.temperature, top_k=top_k, top_p=top_p, min_p=0.0, repetition_penalty=1.0,
+                      presence_penalty=0.0, frequency_penalty=0.0, max_new_tokens=tokens, min_new_tokens=tokens,
+                      ignore_eos=True, stop=[], stop_token_ids=[], n=1, skip_special_tokens=False,
+                      no_stop_trim=True)
+            if seed is not None:
+                sp["sampling_seed"] = seed
+            return {"input_ids": list(prompt), "sampling_params": sp, "stream": False, "return_logprob": False}
+        out = {**LLAMA_OFF, **dict(
+            model=self.model, prompt=list(prompt), max_tokens=tokens, n=1, stream=False, echo=False,
+            temperature=params.temperature, top_k=top_k, top_p=top_p, min_p=0.0, repetition_penalty=1.0,
+            presence_penalty=0.0, frequency_penalty=0.0, logit_bias={}, stop=[], ignore_eos=True, min_tokens=tokens,
+            skip_special_tokens=False, logprobs=1, return_tokens_as_token_ids=True, n_probs=1, samplers=SAMPLERS,
+            n_predict=tokens)}
+        if seed is not None:
+            out["seed"] = seed
+        return out
+
+    def sample(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None,
+               vocab_size: int) -> tuple[list[int], int | None, int | None]:
+        """One sample: its ids, and the draft tokens drafted and accepted the engine reported (or None)."""
+        if self.kind == "sglang":
+            return parse_sglang(self._get("/generate", self.body(prompt, tokens, params, seed)), tokens, vocab_size,
+                                self.name)
+        return parse_completion(self._get("/completions", self.body(prompt, tokens, params, seed)), tokens,
+                                vocab_size, self.model, self.name)
+
+
+def _count(v, what: str, where: str) -> int | None:
+    """A count the server reported: a non-negative integer, None when absent, else ServerError."""
+    if v is None:
+        return None
+    if not is_int(v) or v < 0:
+        raise ServerError(f"{where} reported {what} = {show(v)}, not a count")
+    return int(v)
+
+
+def _check_ids(ids, tokens: int, vocab_size: int, where: str) -> list[int]:
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise ServerError(f"{where} sent no list of token ids")
+    if len(ids) != tokens:
+        raise ServerError(f"{where} sent {len(ids)} token ids, {tokens} were asked for with end tokens ignored")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ServerError(f"{where} sent token id {show(bad)}, outside the target's vocabulary [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
+def _token_ids_from_logprobs(lp, where: str):
+    """vLLM: logprobs.tokens as "token_id:ID"; llama.cpp: logprobs.content[i].id. None when neither is there."""
+    if not isinstance(lp, dict):
+        return None
+    if isinstance(lp.get("tokens"), list):
+        out = []
+        for t in lp["tokens"]:
+            head, _, tail = t.partition(":") if isinstance(t, str) else ("", "", "")
+            if head != "token_id" or not tail.isdigit():
+                raise ServerError(f"{where} sent logprobs.tokens entry {show(t)}, not \"token_id:ID\" (ask vLLM "
+                                  "with return_tokens_as_token_ids)")
+            out.append(int(tail))
+        return out
+    if isinstance(lp.get("content"), list):
+        return [c.get("id") if isinstance(c, dict) else None for c in lp["content"]]
+    return None
+
+
+def parse_completion(resp, tokens: int, vocab_size: int, model: str | None, where: str):
+    """An OpenAI /completions answer -> (ids, drafted, accepted), checked."""
+    choice = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choice, list) or len(choice) != 1 or not isinstance(choice[0], dict):
+        raise ServerError(f"{where}: the /completions answer has no single choice in \"choices\"")
+    choice = choice[0]
+    if model is not None and resp.get("model") not in (None, model):
+        raise ServerError(f"{where} answered as model {show(resp.get('model'))}, {show(model)} was asked for")
+    ids = _token_ids_from_logprobs(choice.get("logprobs"), where)
+    if ids is None:
+        raise ServerError(f"{where}: the answer holds no sampled token ids (vLLM's logprobs.tokens with "
+                          "return_tokens_as_token_ids, or llama.cpp's logprobs.content[].id)")
+    ids = _check_ids(ids, tokens, vocab_size, where)
+    if choice.get("finish_reason") not in (None, "length"):
+        raise ServerError(f"{where} stopped for {show(choice.get('finish_reason'))}: end tokens are ignored and "
+                          f"{tokens} tokens asked for, so only \"length\" is expected")
+    usage = resp.get("usage")
+    n = _count(usage.get("completion_tokens") if isinstance(usage, dict) else None, "completion_tokens", where)
+    if n is not None and n != tokens:
+        raise ServerError(f"{where} reported {n} completion tokens, {tokens} were asked for")
+    timings = resp.get("timings")
+    drafted = accepted = None
+    if isinstance(timings, dict):  # llama.cpp's per-request timings
+        drafted = _count(timings.get("draft_n"), "timings.draft_n", where)
+        accepted = _count(timings.get("draft_n_accepted"), "timings.draft_n_accepted", where)
+    return ids, drafted, accepted
+
+
+def parse_sglang(resp, tokens: int, vocab_size: int, where: str):
+    """An SGLang /generate answer -> (ids, drafted, accepted), checked. SGLang reports verify passes
+    (meta_info.spec_verify_ct) and, where it does, accepted draft tokens (spec_accept_token_num); with k drafts a
+    pass, drafted is not told, so the pair is (None, accepted) unless the accepted count is there."""
+    if not isinstance(resp, dict) or not isinstance(resp.get("meta_info"), dict):
+        raise ServerError(f"{where}: the /generate answer has no meta_info object")
+    meta = resp["meta_info"]
+    ids = _check_ids(resp.get("output_ids"), tokens, vocab_size, where)
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in (None, "length"):
+        raise ServerError(f"{where} stopped for {show(finish)}: end tokens are ignored and {tokens} tokens asked "
+                          "for, so only \"length\" is expected")
+    n = _count(meta.get("completion_tokens"), "completion_tokens", where)
+    if n is not None and n != tokens:
+        raise ServerError(f"{where} reported {n} completion tokens, {tokens} were asked for")
+    verify = _count(meta.get("spec_verify_ct"), "spec_verify_ct", where)
+    accepted = _count(meta.get("spec_accept_token_num"), "spec_accept_token_num", where)
+    if verify == 0:
+        return ids, 0, 0
+    return ids, None, accepted
+
+
+def check_seed_range(seed: int, n: int) -> None:
+    last = seed + n - 1
+    if seed < 0 or last > MAX_SEED:
+        raise ServerError(f"the seeds seed .. seed + samples - 1 must lie in [0, {MAX_SEED}] (llama.cpp's seeds are "
+                          f"32-bit); the last is {last}")
+
+
+def draw(endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens: int, params: SamplingParams,
+         seed: int, vocab_size: int, concurrency: int = 1, mixed_seeds: bool = False, settings: dict | None = None,
+         bar=None) -> Drawn:
+    """counts[j] samples after prompts[j] (sample g prompt-major, seeded seed + g; unseeded for odd g with
+    mixed_seeds), `concurrency` requests in flight; the first failure stops the rest (their connections shut)
+    and is raised. Returns the SampleSet (engine "openai" or "sglang", the settings written out) and the draft
+    counts the engine reported."""
+    if not is_int(concurrency) or concurrency < 1:
+        raise ServerError(f"concurrency must be an integer >= 1, got {show(concurrency)}")
+    jobs = [(p, seed + g) for g, p in enumerate(p for p, n in zip(prompts, counts) for _ in range(n))]
+    check_seed_range(seed, len(jobs))
+    out: list = [None] * len(jobs)
+    drafts = {"drafted": 0, "accepted": 0, "unknown_drafted": 0, "unknown_accepted": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        p, s = jobs[i]
+        ids, d, a = endpoint.sample(p, tokens, params, None if mixed_seeds and i % 2 else s, vocab_size)
+        out[i] = (p, ids)
+        with lock:
+            for key, v in (("drafted", d), ("accepted", a)):
+                if v is None:
+                    drafts[f"unknown_{key}"] += 1
+                else:
+                    drafts[key] += v
+            if bar is not None:
+                bar.update(1)
+
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
+        futures = [pool.submit(one, i) for i in range(len(jobs))]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f.exception() for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            raise failed
+    except BaseException:
+        endpoint.cancel()  # every request still in flight ends now: no thread outlives the run for long
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    head = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "new_tokens": tokens,
+            "engine": endpoint.kind, "engine_version": None, "url": endpoint.url, "model": endpoint.model,
+            "seed": seed, "mixed_seeds": mixed_seeds, "concurrency": concurrency, **(settings or {})}
+    known = lambda key: None if drafts[f"unknown_{key}"] else drafts[key]  # noqa: E731
+    return Drawn(group(head, out, endpoint.name), known("drafted"), known("accepted"), len(jobs))

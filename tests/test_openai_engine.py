@@ -1,0 +1,246 @@
+"""Deployed engines by protocol (minispec.equivalence.openai) and the two-sample audit (two_sample.compare), against
+local stub servers written from the documented response shapes:
+
+- vLLM's /v1/completions (`logprobs.tokens` as "token_id:ID" with return_tokens_as_token_ids, `usage`) and
+  /v1/models; llama.cpp's /v1/completions (`logprobs.content[].id`, `timings.draft_n`); SGLang's /generate
+  (`output_ids`, `meta_info.finish_reason`, `completion_tokens`, `spec_verify_ct`).
+
+The stubs sample with minispec on the tiny pair, honouring the request's settings and seed (or, as negative
+controls, breaking them): exact samples pass both audits (with the target: the PIT; without: two-sample against a
+plain stub), and a broken sampler, a server that ignores the seed and one that silently changes a sampler setting
+fail; a malformed, short, slow, failing (HTTP 500) answer or one without token ids is a one-line ServerError.
+Every run uses fixed seeds, so every verdict here is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from minispec.equivalence import audit_samples
+from minispec.equivalence.http import ServerError
+from minispec.equivalence.openai import Endpoint, draw
+from minispec.equivalence.two_sample import compare
+from minispec.sampling import SamplingParams
+
+from helpers import tiny_pair
+
+PROMPTS = [[1, 5, 2, 7, 3]]
+PARAMS = SamplingParams(0.7, 8, None)
+T = 3
+N = 300
+FAST = dict(power_runs=0)
+
+
+class Quiet(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # a client that hung up on purpose (a deadline, a stopped run) is no failure of the stub
+
+
+class Stub:
+    """A local server in one engine's shape ("vllm", "llama.cpp" or "sglang") sampling the tiny pair; `how` breaks
+    it: a control sampler's name, "ignores-seed", "top-k-2" (another top-k than asked), "malformed", "short",
+    "slow", "500", "no-ids", "plain" (no draft: reports 0 drafted)."""
+
+    def __init__(self, shape: str, how: str = "exact"):
+        self.shape, self.how = shape, how
+        self.target, self.draft = tiny_pair()
+        self.lock = threading.Lock()  # the tiny model is not shared between threads
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                code, out = stub.answer(self.path, body)
+                self._send(code, out)
+
+            def _send(self, code, out):
+                raw = out if isinstance(out, bytes) else json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.server = Quiet(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{port}" + ("" if shape == "sglang" else "/v1")
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _sample(self, prompt, n, temperature, top_k, top_p, seed):
+        top_k = None if top_k is None or top_k <= 0 else top_k
+        top_p = None if top_p is None or top_p >= 1 else top_p
+        if self.how == "top-k-2":
+            top_k = 2
+        if self.how == "ignores-seed" or seed is None:
+            seed = 0 if self.how == "ignores-seed" else int(time.monotonic_ns() % 2**31)
+        kw = dict(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=[])
+        with self.lock:
+            if self.how == "plain":
+                return self.target.generate(prompt, **kw), 0, 0
+            r = self.target.speculate(self.draft, prompt, k=2, sampler=self.how if self.how in SAMPLERS else "exact",
+                                      **kw)
+        return r.tokens, r.stats.drafted, r.stats.accepted
+
+    def answer(self, path, body):
+        if self.how == "500":
+            return 500, {"error": {"message": "CUDA out of memory", "code": 500}}
+        if self.how == "slow":
+            time.sleep(3)
+        if self.how == "malformed":
+            return 200, b'{"choices": [{"text": "x"'
+        if self.shape == "sglang":
+            sp = body["sampling_params"]
+            ids, d, a = self._sample(body["input_ids"], sp["max_new_tokens"], sp["temperature"], sp["top_k"],
+                                     sp["top_p"], sp.get("sampling_seed"))
+        else:
+            ids, d, a = self._sample(body["prompt"], body["max_tokens"], body["temperature"], body["top_k"],
+                                     body["top_p"], body.get("seed"))
+        if self.how == "short":
+            ids = ids[:-1]
+        if self.shape == "sglang":
+            out = {"text": "", "meta_info": {"id": "x", "finish_reason": {"type": "length", "length": len(ids)},
+                                             "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+                                             "spec_verify_ct": 0 if d == 0 else 2},
+                   "output_ids": None if self.how == "no-ids" else ids}
+            return 200, out
+        if self.shape == "vllm":
+            lp = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-1.0] * len(ids),
+                  "top_logprobs": None, "text_offset": list(range(len(ids)))}
+        else:  # llama.cpp
+            lp = {"content": [{"id": t, "token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}
+                              for t in ids]}
+        choice = {"index": 0, "text": "", "logprobs": None if self.how == "no-ids" else lp, "finish_reason": "length"}
+        out = {"id": "cmpl-1", "object": "text_completion", "model": "tiny", "choices": [choice],
+               "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids),
+                         "total_tokens": len(ids) + len(body["prompt"])}}
+        if self.shape == "llama.cpp":
+            out["timings"] = {"draft_n": d, "draft_n_accepted": a, "predicted_n": len(ids)}
+        return 200, out
+
+
+from minispec.speculative import SAMPLERS  # noqa: E402  (registered by minispec's import)
+
+
+@pytest.fixture
+def stubs():
+    made = []
+
+    def make(shape, how="exact"):
+        s = Stub(shape, how)
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        s.close()
+
+
+def run(stub: Stub, n: int = N, seed: int = 0, concurrency: int = 4, **kw):
+    kind = "sglang" if stub.shape == "sglang" else "openai"
+    return draw(Endpoint(stub.url, kind, deadline=kw.pop("deadline", 30.0)), PROMPTS, [n], T, PARAMS, seed,
+                stub.target.config.vocab_size, concurrency=concurrency, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """N plain samples from a vLLM-shaped stub without a draft: the two-sample audit's reference arm."""
+    stub = Stub("vllm", "plain")
+    try:
+        yield run(stub, seed=50_000).samples
+    finally:
+        stub.close()
+
+
+def test_exact_samples_pass_both_audits(stubs, reference):
+    stub = stubs("llama.cpp")
+    drawn = run(stub)
+    assert len(drawn.samples.tokens) == N and drawn.samples.settings["engine"] == "openai"
+    assert drawn.drafted > 0 and 0 < drawn.accepted <= drawn.drafted  # llama.cpp's timings, summed
+    r = audit_samples(stub.target, drawn.samples, **FAST)
+    assert r.passed and r.calibrated, r.format()
+    two = compare(drawn.samples, reference, drafted=drawn.drafted, accepted=drawn.accepted, **FAST)
+    assert two.passed, two.format()
+    d = two.to_dict()
+    assert d["mode"] == "two-sample" and d["drafted"] == drawn.drafted and len(d["two_sample"]["rows"]) == T + 1
+
+
+@pytest.mark.parametrize("shape", ["vllm", "sglang"])
+def test_other_shapes_are_read_as_ids(stubs, shape):
+    stub = stubs(shape)
+    drawn = run(stub, n=100)
+    assert drawn.drafted is None  # vLLM's completions and a drafting SGLang say nothing of the draft count
+    assert drawn.samples.settings["engine"] == ("sglang" if shape == "sglang" else "openai")
+    assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
+
+
+@pytest.mark.parametrize("how", ["argmax", "ignores-seed", "top-k-2"])
+def test_broken_servers_fail_both_audits(stubs, reference, how):
+    # a control sampler served, a server ignoring the seed (every sample alike), one using top-k 2 when 8 was asked
+    stub = stubs("vllm", how)
+    drawn = run(stub)
+    assert not audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
+    two = compare(drawn.samples, reference, **FAST)
+    assert not two.passed, two.format()
+
+
+def test_a_server_that_drafts_nothing_is_named(stubs):
+    drawn = run(stubs("llama.cpp", "plain"), n=40)
+    ref = run(stubs("llama.cpp", "plain"), n=40, seed=9_000)
+    two = compare(drawn.samples, ref.samples, drafted=drawn.drafted, accepted=drawn.accepted, **FAST)
+    assert drawn.drafted == 0 and "drafted no tokens" in two.verdict and "drafted no tokens" in two.format()
+
+
+@pytest.mark.parametrize("shape", ["vllm", "sglang"])
+@pytest.mark.parametrize("how,match", [
+    ("malformed", "JSON"),
+    ("short", "sent 2 token ids, 3 were asked for"),
+    ("500", "HTTP 500"),
+    ("no-ids", "token ids"),
+])
+def test_bad_answers_are_one_line_errors(stubs, shape, how, match):
+    with pytest.raises(ServerError, match=match) as e:
+        run(stubs(shape, how), n=12)
+    assert "\n" not in str(e.value)
+
+
+def test_a_slow_server_hits_the_deadline_and_stops_the_rest(stubs):
+    t0 = time.perf_counter()
+    with pytest.raises(ServerError) as e:
+        run(stubs("vllm", "slow"), n=40, deadline=0.5)
+    assert "\n" not in str(e.value) and time.perf_counter() - t0 < 10
+
+
+def test_mixed_seeds_and_concurrency(stubs):
+    stub = stubs("sglang")
+    drawn = run(stub, concurrency=8, mixed_seeds=True)
+    assert drawn.samples.settings["mixed_seeds"] and drawn.samples.settings["concurrency"] == 8
+    assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
+    # seeded samples repeat with their seed; the unseeded ones are fresh
+    again = run(stub, concurrency=1, mixed_seeds=True)
+    assert [t for i, t in enumerate(drawn.samples.tokens) if i % 2 == 0] == \
+           [t for i, t in enumerate(again.samples.tokens) if i % 2 == 0]
+
+
+def test_the_model_is_the_first_listed_unless_named(stubs):
+    stub = stubs("vllm")
+    assert Endpoint(stub.url).model == "tiny"
+    with pytest.raises(ServerError, match="answered as model 'tiny', 'other' was asked for"):
+        draw(Endpoint(stub.url, model="other"), PROMPTS, [2], T, PARAMS, 0, 32)
