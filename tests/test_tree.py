@@ -104,6 +104,32 @@ def test_keep_path_keeps_the_path_and_drops_the_rest(block_size):
     assert c.allocator.num_free == c.num_blocks
 
 
+@settings(derandomize=True, deadline=None, max_examples=150)
+@given(data=st.data(), block_size=st.integers(1, 4), prefix=st.integers(1, 9), n=st.integers(0, 12))
+def test_keep_path_on_random_trees_beside_forks(data, block_size, prefix, n):
+    """Any tree after any prefix, shared or not: the kept path reads back in order, the forks are untouched, every
+    block comes back once all are freed."""
+    c = small_cache(num_blocks=64, block_size=block_size)
+    s = c.new_sequence()
+    append(c, s, [float(i) for i in range(prefix)])
+    fork = c.fork(s) if data.draw(st.booleans()) else None
+    parents = [data.draw(st.integers(prefix - 1, prefix + j - 1)) for j in range(n)]
+    append(c, s, [100.0 + j for j in range(n)], parents=parents)
+    node = data.draw(st.integers(prefix - 1, prefix + n - 1))  # the path's last token (prefix - 1: an empty path)
+    path = []
+    while node >= prefix:
+        path.append(node)
+        node = parents[node - prefix]
+    c.keep_path(s, prefix, path[::-1])
+    assert read(c, s) == [float(i) for i in range(prefix)] + [100.0 + i - prefix for i in path[::-1]]
+    c.check_consistency()
+    if fork is not None:
+        assert read(c, fork) == [float(i) for i in range(prefix)]
+        c.free(fork)
+    c.free(s)
+    assert c.allocator.num_free == c.num_blocks
+
+
 # ---- one pass scores every node as a chain along its path would
 
 
