@@ -40,6 +40,7 @@ from .equivalence.harness import check_window
 from .equivalence.http import ServerError, base_url
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
 from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_samples
+from .equivalence.openai import KINDS as REMOTE_KINDS
 from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, InputError, one_line, resolve_device
 from .model import Transformer
@@ -249,9 +250,12 @@ def _samples_file(s: str) -> str:
 
 
 def _url(s: str) -> str:
-    """An http(s) address with a usable port and host, checked before the target loads."""
+    """An http(s) address with a usable port and host, checked before the target loads; its path is kept (an
+    OpenAI-compatible BASE ends in /v1)."""
     try:
-        return base_url(s)
+        root = base_url(s)
+        path = s.strip().split("://", 1)[-1].partition("/")[2].rstrip("/")
+        return root + (f"/{path}" if path else "")
     except ServerError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -265,15 +269,19 @@ SAMPLING_OPTIONS = {"samples": "--samples", "tokens": "--tokens", "temperature":
 def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     """The `equivalence` subcommand: every value is checked here, so bad input exits with 2 before a model loads."""
     d = DEFAULTS
-    p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR",
-                   help="the target checkpoint directory (minispec's model scores every sample)")
+    p.add_argument("--target", type=_checkpoint_dir, metavar="DIR",
+                   help="the target checkpoint directory (minispec's model scores every sample); without it a "
+                        "server engine is audited by the two-sample test against reference samples drawn with "
+                        "speculation off (--reference-url, or a plain llama-server started beside --server-model)")
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context); needed by "
                         "--engine minispec and transformers-assisted, not with --samples-file")
-    p.add_argument("--engine", choices=(*ENGINES, LLAMA_CPP), default="minispec",
+    p.add_argument("--engine", choices=(*ENGINES, LLAMA_CPP, *REMOTE_KINDS), default="minispec",
                    help="what draws the samples: minispec's speculate (default), transformers' plain sampling, "
                         "transformers' assisted generation (the pair exported by minispec.hf_export, or "
-                        "--hf-target/--hf-draft), or llama.cpp's llama-server (--server-model, or --url)")
+                        "--hf-target/--hf-draft), llama.cpp's llama-server (--server-model, or --url), any "
+                        "OpenAI-compatible completions endpoint (openai: --url BASE ending in /v1) or SGLang's "
+                        "native /generate (sglang: --url ROOT)")
     p.add_argument("--server-model", metavar="FILE.gguf",
                    help="--engine llama.cpp: the GGUF llama-server serves as the target (started on a free local "
                         "port and stopped afterwards); it must be the --target model (an F32 GGUF of it)")
@@ -281,6 +289,19 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                    help="--engine llama.cpp: the draft model llama-server speculates with (at most --k tokens)")
     p.add_argument("--url", type=_url, metavar="URL",
                    help="--engine llama.cpp: a llama-server already running there (nothing started or stopped)")
+    p.add_argument("--model", metavar="NAME",
+                   help="--engine openai: the model to ask for (default: the first of BASE/models)")
+    p.add_argument("--reference-url", type=_url, metavar="URL",
+                   help="without --target: a deployment of the same model without speculation, whose samples are "
+                        "the two-sample audit's reference (the same engine kind as --url)")
+    p.add_argument("--concurrency", type=_int_at_least(1), metavar="N",
+                   help="server engines: requests kept in flight, which the server batches (default 4 for a "
+                        "llama-server, 1 otherwise)")
+    p.add_argument("--mixed-seeds", action="store_true",
+                   help="server engines: every other request unseeded, as a batch mixing seeded and unseeded "
+                        "requests")
+    p.add_argument("--prompt-ids", action="append", metavar="IDS",
+                   help="a prompt as comma-separated token ids (repeatable); the prompts of a run without --target")
     p.add_argument("--server-threads", type=_int_at_least(1), metavar="N",
                    help="--engine llama.cpp: the CPU threads of the server it starts (default: llama.cpp's own)")
     p.add_argument("--no-model-check", action="store_true",
@@ -335,7 +356,12 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
 def _check_equivalence_options(args) -> None:
     """The combinations argparse cannot check alone; fills in the sampling defaults."""
     if args.samples_file is not None:
+        if args.target is None:
+            raise UsageError("--samples-file needs --target DIR: the samples are scored under the target")
         given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
+        given += [flag for flag, v in (("--model", args.model), ("--reference-url", args.reference_url),
+                                      ("--concurrency", args.concurrency), ("--prompt-ids", args.prompt_ids),
+                                      ("--mixed-seeds", args.mixed_seeds or None)) if v is not None]
         given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
                                       ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
                                       ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
@@ -352,9 +378,38 @@ def _check_equivalence_options(args) -> None:
     for name in SAMPLING_OPTIONS:
         if getattr(args, name) is None:
             setattr(args, name, DEFAULTS[name])
+    remote = [f for f, v in (("--model", args.model), ("--reference-url", args.reference_url),
+                             ("--concurrency", args.concurrency), ("--mixed-seeds", args.mixed_seeds or None))
+              if v is not None]
+    if args.target is None:
+        if args.engine not in (LLAMA_CPP, *REMOTE_KINDS):
+            raise UsageError(f"--engine {args.engine} needs --target DIR (only a server engine can be audited "
+                             "without the target's weights, by the two-sample test)")
+        if args.temperature == 0:
+            raise UsageError("without --target, --temperature 0 cannot be audited: greedy runs are compared with the "
+                             "target's greedy decoding")
+        if args.reference_url is None and not (args.engine == LLAMA_CPP and args.server_model is not None):
+            raise UsageError("without --target the audit compares with reference samples drawn with speculation off: "
+                             "give --reference-url URL (a deployment of the same model without a draft)")
+        if args.prompt is not None or args.prompts is not None:
+            raise UsageError("without --target there is no tokenizer: give the prompts as --prompt-ids 1,2,3")
+    elif args.reference_url is not None:
+        raise UsageError("--reference-url is the two-sample audit's reference; with --target the target itself is "
+                         "the reference")
+    if args.engine in REMOTE_KINDS:
+        _check_remote_options(args)
+        return
+    if args.model is not None:
+        raise UsageError("--model goes with --engine openai")
     if args.engine == LLAMA_CPP:
         _check_server_options(args)
+        if args.mixed_seeds and args.target is not None:
+            raise UsageError(f"--mixed-seeds with --target: audit the llama-server as --engine openai --url URL/v1 "
+                             f"(the {LLAMA_CPP} engine seeds every request)")
         return
+    if remote:
+        raise UsageError(f"{', '.join(remote)} go(es) with the server engines ({LLAMA_CPP}, "
+                         f"{', '.join(REMOTE_KINDS)})")
     server = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
                              ("--url", args.url), ("--server-threads", args.server_threads),
                              ("--no-model-check", args.no_model_check or None)) if v is not None]
@@ -402,15 +457,105 @@ def _check_server_options(args) -> None:
                          "slot's context holds a round of drafts)")
 
 
+def _check_remote_options(args) -> None:
+    """--engine openai / sglang: a server at --url, nothing started; minispec's own options out."""
+    if args.url is None:
+        raise UsageError(f"--engine {args.engine} needs --url (BASE ending in /v1 for openai, the server's root for "
+                         "sglang)")
+    given = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
+                            ("--server-threads", args.server_threads), ("--draft", args.draft),
+                            ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
+                            ("--draft-dtype", args.draft_dtype), ("--no-model-check", args.no_model_check or None))
+             if v is not None]
+    if args.sampler != "exact":
+        given.append("--sampler")
+    if given:
+        raise UsageError(f"{', '.join(given)} do(es) not apply with --engine {args.engine}: the server at --url "
+                         "samples with its own code and settings")
+    if args.model is not None and args.engine != "openai":
+        raise UsageError("--model goes with --engine openai (SGLang's /generate serves one model)")
+
+
+def _prompt_ids(args) -> list[list[int]]:
+    """--prompt-ids "1,2,3" (repeatable) -> the prompts as ids."""
+    if not args.prompt_ids:
+        raise UsageError("give the prompts as token ids: --prompt-ids 1,2,3 (without --target there is no tokenizer)")
+    out = []
+    for text in args.prompt_ids:
+        try:
+            ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise UsageError(f"--prompt-ids {text!r} is not a comma-separated list of token ids") from None
+        if not ids or min(ids) < 0:
+            raise UsageError(f"--prompt-ids {text!r}: give one or more token ids >= 0")
+        out.append(ids)
+    return out
+
+
+def _remote_audit(args, target, prompts: list[list[int]]):
+    """A server engine by protocol: with the target, its samples through the PIT (audit_samples); without, beside
+    reference samples drawn with speculation off, through the two-sample test. The llama-servers started here
+    (--server-model: the one with --server-draft, and a plain one as the reference) stop however the run ends."""
+    import contextlib
+
+    from tqdm import tqdm
+
+    from .equivalence.openai import Endpoint, draw
+    from .equivalence.two_sample import compare
+    from .sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k or None, args.top_p)
+    vocab = target.config.vocab_size if target is not None else 2**31 - 1
+    concurrency = args.concurrency or (4 if args.engine == LLAMA_CPP else 1)
+    n = args.samples * len(prompts)
+
+    def arm(endpoint, seed, desc):
+        bar = tqdm(total=n, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True)
+        return draw(endpoint, prompts, [args.samples] * len(prompts), args.tokens, params, seed, vocab,
+                    concurrency=concurrency, mixed_seeds=args.mixed_seeds, bar=bar)
+
+    with contextlib.ExitStack() as stack:
+        if args.engine == LLAMA_CPP and args.server_model is not None:
+            k = args.k if args.server_draft is not None else 0
+            ctx = context_size(prompts, args.tokens, k)
+            started = stack.enter_context(LlamaServer(args.server_model, args.server_draft, k=args.k,
+                                                      threads=args.server_threads, ctx_size=ctx,
+                                                      parallel=concurrency))
+            test_url = started.client.url + "/v1"
+            if args.reference_url is None:
+                plain = stack.enter_context(LlamaServer(args.server_model, None, threads=args.server_threads,
+                                                        ctx_size=ctx, parallel=concurrency))
+                ref_url = plain.client.url + "/v1"
+            else:
+                ref_url = args.reference_url + "/v1"
+        elif args.engine == LLAMA_CPP:
+            test_url, ref_url = args.url + "/v1", args.reference_url and args.reference_url + "/v1"
+        else:
+            test_url, ref_url = args.url, args.reference_url
+        kind = "sglang" if args.engine == "sglang" else "openai"
+        drawn = arm(Endpoint(test_url, kind, model=args.model), args.seed, args.engine)
+        if drawn.drafted is not None:
+            drawn.samples.settings["speculation"] = {"drafted": drawn.drafted, "accepted": drawn.accepted}
+        if target is not None:
+            return drawn, None
+        # the reference's seeds follow the test's, so no seed is used twice
+        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference")
+    report = compare(drawn.samples, reference.samples, alpha=args.alpha, seed=args.seed, power_runs=args.power_runs,
+                     drafted=drawn.drafted, accepted=drawn.accepted,
+                     names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
+    return drawn, report
+
+
 def _server_samples(args, target, prompts: list[list[int]]):
     """The samples llama-server draws: a server started for the run (and stopped however it ends), or one at --url."""
     kw = dict(samples=args.samples, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k or None,
-              top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True)
+              top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
+              workers=args.concurrency or 4)
     if args.url is not None:
         return server_samples(target, ServerClient(args.url), prompts, **kw)
     k = args.k if args.server_draft is not None else 0
     with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
-                     ctx_size=context_size(prompts, args.tokens, k)) as server:
+                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or 4) as server:
         return server_samples(target, server.client, prompts, settings=server.settings, **kw)
 
 
@@ -457,7 +602,11 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     Nothing is written (--save-samples, --plot) until the verdict is complete."""
     _check_equivalence_options(args)
     _check_plot(args)
-    texts = None if args.samples_file is not None else _read_prompts(args)  # fails before any model loads
+    if args.target is None:  # the two-sample audit of a server: no model at all
+        _, report = _remote_audit(args, None, _prompt_ids(args))
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+        return 0 if report.passed else 1
+    texts = None if args.samples_file is not None or args.prompt_ids else _read_prompts(args)  # before any model
     device = _device(args.device)
     target = load_target(args.target, device, args.dtype)
     label = lambda path, dtype: path if dtype is None else f"{path} ({dtype})"  # noqa: E731
@@ -468,10 +617,13 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     if args.samples_file is not None:
         report = audit_samples(target, args.samples_file, **test)
     else:
-        prompts = _encode_prompts(args, texts, target)
+        prompts = _prompt_ids(args) if args.prompt_ids else _encode_prompts(args, texts, target)
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
-        if args.engine == LLAMA_CPP:
+        if args.engine in REMOTE_KINDS:
+            check_window(target, prompts, args.tokens)
+            report = audit_samples(target, _remote_audit(args, target, prompts)[0].samples, **test)
+        elif args.engine == LLAMA_CPP:
             check_window(target, prompts, args.tokens)  # before the server starts
             report = audit_samples(target, _server_samples(args, target, prompts), **test)
         elif args.engine == "minispec":

@@ -229,14 +229,23 @@ class EquivalenceReport:
     @property
     def verdict(self) -> str:
         """"passed; would have caught a bias of TV >= x ..." or "failed" (with the power figure when computed)."""
-        word = "passed" if self.passed else "failed"
-        if self.power is None:
-            return word
-        return f"{word}; {self.power.phrase()}"
+        parts = ["passed" if self.passed else "failed"] + ([self.power.phrase()] if self.power is not None else [])
+        if self.drafts[0] == 0:
+            parts.append("no tokens were drafted, so the run tested plain sampling, not speculation")
+        return "; ".join(parts)
+
+    @property
+    def drafts(self) -> tuple[int | None, int | None]:
+        """The draft tokens proposed and accepted, as the engine reported them (None: it tells nothing)."""
+        spec = self.speculation or self.settings.get("engine_settings", {}).get("speculation")
+        if not isinstance(spec, dict):
+            return None, None
+        return spec.get("drafted"), spec.get("accepted")
 
     def to_dict(self) -> dict:
+        drafted, accepted = self.drafts
         d = {"passed": self.passed, "verdict": self.verdict, "mode": self.mode, "calibrated": self.calibrated,
-             "settings": self.settings, "speed": self.speed, "speculation": self.speculation, "notes": self.notes}
+             "drafted": drafted, "accepted": accepted, "settings": self.settings, "speed": self.speed, "speculation": self.speculation, "notes": self.notes}
         if self.mode == "pit":
             d["speculative"] = self.speculative.to_dict()
             d["reference"] = None if self.reference is None else self.reference.to_dict()
