@@ -24,6 +24,9 @@ CODER_SMALL_Q := weights/qwen2.5-coder-0.5b-instruct-q4km
 # products in int4 on a CPU (an eighth of fp32's bytes a step; fp16 on a GPU); the output stays the target's.
 # A subset head (tools/draft_head.py) did not pay on this pair: docs/benchmarks.md, "Drafts"
 CODER_DRAFT := weights/qwen2.5-coder-0.5b-instruct-draft
+# the kept 1.5B's feature draft (minispec.feature_draft: one layer reading the target's hidden states), committed
+# (weights/README.md); trained here from the fp32 1.5B's states when absent
+CODER_FEATURE := weights/qwen2.5-coder-1.5b-q4km-draft
 CODER_PROMPT ?= Write a Python function that returns the n-th prime number, with a docstring and a doctest.
 
 $(PY):
@@ -67,12 +70,16 @@ $(CODER_TARGET)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
 $(CODER_Q4)/model.safetensors: $(GGUF_DIR)/qwen2.5-coder-1.5b-instruct.gguf
 	$(PY) tools/convert_gguf.py $< $(@D) --keep-quant --overwrite
 
+# order-only: a reconverted target leaves the committed draft alone (its weights depend on the target's values only)
+$(CODER_FEATURE)/model.safetensors: | $(CODER_TARGET)/model.safetensors
+	$(PY) tools/train_feature_draft.py all --target $(CODER_TARGET) --out $(@D) --gen 24 --src 0 --steps 83
+
 # the 0.5B alone (0.5 GB download, 2.5 GB converted): what the test suite needs
 weights-coder-draft: $(CODER_SMALL)/model.safetensors $(CODER_SMALL_Q)/model.safetensors
 
 # both (1.6 GB download, 8.7 GB converted): for demo-coder and the benchmarks
 weights-coder: weights-coder-draft $(CODER_DRAFT)/model.safetensors $(CODER_TARGET)/model.safetensors \
-	$(CODER_Q4)/model.safetensors
+	$(CODER_Q4)/model.safetensors $(CODER_FEATURE)/model.safetensors
 
 test: setup weights weights-coder-draft
 	$(PY) -m pytest -q
@@ -98,9 +105,9 @@ demo: setup weights
 	$(PY) -m minispec generate --target $(TARGET) --draft $(if $(wildcard $(DRAFT)/model.safetensors),$(DRAFT),prompt-lookup) \
 		--chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
-# speculative generation from the 1.5B with the 0.5B drafting, on a coding prompt
+# speculative generation from the kept 1.5B with its feature draft, on a coding prompt
 demo-coder: setup weights-coder
-	$(PY) -m minispec generate --target $(CODER_Q4) --draft $(CODER_DRAFT) \
+	$(PY) -m minispec generate --target $(CODER_Q4) --draft $(CODER_FEATURE) \
 		--chat --prompt "$(CODER_PROMPT)" --max-new-tokens 256
 
 bench: setup weights

@@ -136,6 +136,7 @@ class FeatureDraft(nn.Module):
         tensors = {k: (v if k == "head_ids" else v.to(dtype)).contiguous() for k, v in self.state_dict().items()}
         tmp = path / "model.safetensors.tmp"
         save_file(tensors, str(tmp))
+        os.chmod(tmp, 0o644)  # the writer's private mode would keep a committed or shared draft from its readers
         os.replace(tmp, path / "model.safetensors")
         config = {"kind": KIND, "layer": self.config.to_dict(), "target_dim": self.target_dim,
                   "tokenizer_fingerprint": tokenizer_fingerprint, **({"training": meta} if meta else {})}
