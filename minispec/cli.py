@@ -465,8 +465,7 @@ def _check_remote_options(args) -> None:
     given = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
                             ("--server-threads", args.server_threads), ("--draft", args.draft),
                             ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                            ("--draft-dtype", args.draft_dtype), ("--no-model-check", args.no_model_check or None))
-             if v is not None]
+                            ("--draft-dtype", args.draft_dtype)) if v is not None]
     if args.sampler != "exact":
         given.append("--sampler")
     if given:
@@ -500,7 +499,7 @@ def _remote_audit(args, target, prompts: list[list[int]]):
 
     from tqdm import tqdm
 
-    from .equivalence.openai import Endpoint, draw
+    from .equivalence.openai import Endpoint, check_same_model, draw
     from .equivalence.two_sample import compare
     from .sampling import SamplingParams
 
@@ -533,7 +532,12 @@ def _remote_audit(args, target, prompts: list[list[int]]):
         else:
             test_url, ref_url = args.url, args.reference_url
         kind = "sglang" if args.engine == "sglang" else "openai"
-        drawn = arm(Endpoint(test_url, kind, model=args.model), args.seed, args.engine)
+        endpoint = Endpoint(test_url, kind, model=args.model)
+        check = "skipped"
+        if target is not None and not args.no_model_check:
+            check = check_same_model(endpoint, target, prompts[0])  # before any sampling
+        drawn = arm(endpoint, args.seed, args.engine)
+        drawn.samples.settings["model_check"] = check
         if drawn.drafted is not None:
             drawn.samples.settings["speculation"] = {"drafted": drawn.drafted, "accepted": drawn.accepted}
         if target is not None:

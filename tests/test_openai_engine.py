@@ -23,7 +23,7 @@ import pytest
 
 from minispec.equivalence import audit_samples
 from minispec.equivalence.http import ServerError
-from minispec.equivalence.openai import Endpoint, draw
+from minispec.equivalence.openai import Endpoint, ModelMismatch, check_same_model, draw
 from minispec.equivalence.two_sample import compare
 from minispec.sampling import SamplingParams
 
@@ -100,7 +100,29 @@ class Stub:
                                       **kw)
         return r.tokens, r.stats.drafted, r.stats.accepted
 
+    def top(self, prompt, n):
+        """The model's n most likely next tokens after prompt, at temperature 1: (id, logprob) pairs."""
+        import torch
+        with self.lock, torch.inference_mode():
+            lp = self.target(torch.tensor([prompt]))[0, -1].float().log_softmax(-1)
+        v, i = lp.topk(n)
+        return list(zip(i.tolist(), v.tolist()))
+
     def answer(self, path, body):
+        if self.how == "other-model":  # another model's weights serve: its probabilities differ
+            self.target = tiny_pair()[1]
+            self.how = "exact"
+        if body.get("top_logprobs_num") or (body.get("logprobs") or 0) > 1:
+            prompt = body.get("input_ids") or body["prompt"]
+            top = self.top(prompt, 20)
+            if self.shape == "sglang":
+                return 200, {"output_ids": [top[0][0]], "meta_info": {"output_top_logprobs": [
+                    [[v, i, "x"] for i, v in top]], "finish_reason": {"type": "length"}}}
+            lp = ({"tokens": [f"token_id:{top[0][0]}"], "top_logprobs": [{f"token_id:{i}": v for i, v in top}]}
+                  if self.shape == "vllm" else
+                  {"content": [{"id": top[0][0], "logprob": top[0][1], "top_logprobs": [
+                      {"id": i, "token": "x", "logprob": v} for i, v in top]}]})
+            return 200, {"model": "tiny", "choices": [{"index": 0, "logprobs": lp, "finish_reason": "length"}]}
         if self.how == "500":
             return 500, {"error": {"message": "CUDA out of memory", "code": 500}}
         if self.how == "slow":
@@ -237,6 +259,17 @@ def test_mixed_seeds_and_concurrency(stubs):
     again = run(stub, concurrency=1, mixed_seeds=True)
     assert [t for i, t in enumerate(drawn.samples.tokens) if i % 2 == 0] == \
            [t for i, t in enumerate(again.samples.tokens) if i % 2 == 0]
+
+
+@pytest.mark.parametrize("shape", ["vllm", "llama.cpp", "sglang"])
+def test_the_model_check(stubs, shape):
+    stub = stubs(shape)
+    kind = "sglang" if shape == "sglang" else "openai"
+    info = check_same_model(Endpoint(stub.url, kind), stub.target, PROMPTS[0])
+    assert info["tokens_compared"] == 20 and info["prob_difference"] < 1e-5
+    other = stubs(shape, "other-model")
+    with pytest.raises(ModelMismatch, match="next-token probabilities after the first prompt differ"):
+        check_same_model(Endpoint(other.url, kind), stub.target, PROMPTS[0])
 
 
 def test_the_model_is_the_first_listed_unless_named(stubs):

@@ -86,7 +86,8 @@ def test_an_unreachable_server_is_one_line(capsys):
 def test_real_llama_server_through_v1_completions(tiny_pair, tmp_path, capsys):  # noqa: F811
     """llama-server's own /v1/completions with its draft (4 slots, 4 requests in flight): the PIT with the target
     passes and the server reports drafted tokens; without the target, the two-sample test against a plain
-    llama-server started beside it passes; the other tiny model serving fails the two-sample test."""
+    llama-server started beside it passes; the other tiny model serving fails the two-sample test and, with the
+    target, is refused by the model check."""
     gguf_path, target = tiny_pair["target"]
     other_gguf, _ = tiny_pair["other"]
     target.save_pretrained(tmp_path / "t")
@@ -107,4 +108,9 @@ def test_real_llama_server_through_v1_completions(tiny_pair, tmp_path, capsys): 
             LlamaServer(gguf_path, parallel=4, ctx_size=64, threads=1) as plain:
         assert main(["--engine", "openai", "--url", wrong.client.url + "/v1", "--reference-url",
                      plain.client.url + "/v1", *common]) == 1
-    assert "verdict: FAILED" in capsys.readouterr().out
+        assert "verdict: FAILED" in capsys.readouterr().out
+        # with the target, the model check refuses the other model before any sampling
+        assert main(["--target", str(tmp_path / "t"), "--engine", "openai", "--url", wrong.client.url + "/v1",
+                     *common]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "next-token probabilities after the first prompt differ" in err[0], err

@@ -26,9 +26,12 @@ SGLang's `meta_info.spec_verify_ct` (verify passes) with its accepted count; Non
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import is_int, show
 from ..sampling import SamplingParams
@@ -113,6 +116,69 @@ class Endpoint:
                                 self.name)
         return parse_completion(self._get("/completions", self.body(prompt, tokens, params, seed)), tokens,
                                 vocab_size, self.model, self.name)
+
+
+TOP = 20  # next-token probabilities the model check compares
+PROB_TOLERANCE = 1e-2  # as llama_server's: the server's probabilities within this of the target's (fp32)
+
+
+def top_probs(endpoint: Endpoint, prompt: list[int], vocab_size: int) -> dict[int, float]:
+    """The server's TOP most likely next tokens after `prompt` with their probabilities, at temperature 1 with no
+    filter: vLLM's top_logprobs keyed "token_id:ID", llama.cpp's logprobs.content[0].top_logprobs (its n_probs),
+    SGLang's meta_info.output_top_logprobs ([logprob, id, text] entries)."""
+    params = SamplingParams(1.0, None, None)
+    body = endpoint.body(prompt, 1, params, 0)
+    where = endpoint.name
+    if endpoint.kind == "sglang":
+        body.update(return_logprob=True, top_logprobs_num=TOP)
+        meta = endpoint._get("/generate", body).get("meta_info", {})
+        rows = meta.get("output_top_logprobs") if isinstance(meta, dict) else None
+        entries = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], list) else None
+        pairs = [(e[1], e[0]) for e in entries if isinstance(e, list) and len(e) >= 2] if entries else []
+    else:
+        body.update(logprobs=TOP, n_probs=TOP)
+        resp = endpoint._get("/completions", body)
+        choice = resp.get("choices", [{}])[0] if isinstance(resp.get("choices"), list) and resp["choices"] else {}
+        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        pairs = []
+        if isinstance(lp, dict) and isinstance(lp.get("top_logprobs"), list) and lp["top_logprobs"]:
+            first = lp["top_logprobs"][0]  # vLLM: {"token_id:ID": logprob}
+            if isinstance(first, dict):
+                pairs = [(k.partition(":")[2], v) for k, v in first.items() if isinstance(k, str)]
+        elif isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
+            first = lp["content"][0].get("top_logprobs") if isinstance(lp["content"][0], dict) else None
+            pairs = [(e.get("id"), e.get("logprob")) for e in first if isinstance(e, dict)] if isinstance(
+                first, list) else []
+    out = {}
+    for tok, logprob in pairs:
+        tok = int(tok) if isinstance(tok, str) and tok.isdigit() else tok
+        if not is_int(tok) or not 0 <= tok < vocab_size or isinstance(logprob, bool) or \
+                not isinstance(logprob, (int, float)) or not logprob <= 0:
+            raise ServerError(f"{where} sent a next-token probability entry ({show(tok)}, {show(logprob)}) that is "
+                              "not a token id in the target's vocabulary with a log-probability")
+        out[int(tok)] = math.exp(logprob)
+    if not out:
+        raise ServerError(f"{where} sent no next-token probabilities (top logprobs) for the model check; "
+                          "--no-model-check skips it")
+    return out
+
+
+def check_same_model(endpoint: Endpoint, target, prompt: list[int]) -> dict:
+    """The server's next-token probabilities after `prompt` against the target's (temperature 1, unfiltered):
+    within PROB_TOLERANCE, else ModelMismatch naming the difference. Returns what was compared."""
+    theirs = top_probs(endpoint, prompt, target.config.vocab_size)
+    with torch.inference_mode():
+        ours = target(torch.tensor([prompt], device=target.device))[0, -1].float().softmax(-1).cpu()
+    diff = max(abs(p - float(ours[i])) for i, p in theirs.items())
+    if not diff <= PROB_TOLERANCE:
+        raise ModelMismatch(f"{endpoint.name}: its next-token probabilities after the first prompt differ from the "
+                            f"target's by up to {diff:.3g} (> {PROB_TOLERANCE}): not the --target model, or not in "
+                            "its precision (--no-model-check skips this)")
+    return {"tokens_compared": len(theirs), "prob_difference": diff}
+
+
+class ModelMismatch(ServerError):
+    """The server's model is not the --target: one line naming what differs."""
 
 
 def _count(v, what: str, where: str) -> int | None:
