@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from . import kernels
 from .kernels import PackedWeight
 
 LIBRARY = Path(__file__).resolve().parent / "libminispec_ggml.so"
@@ -90,6 +92,8 @@ class GgmlWeight(PackedWeight):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         lib, (n, k) = _library(), self.shape
         x = rows.reshape(-1, k).to(torch.float32).contiguous()
+        if not kernels.enabled():  # the switch off: the file's values in float, the plain product
+            return F.linear(x, dequantize(self.kind, self.blocks, k))
         y = torch.empty(x.shape[0], n)
         scratch = torch.empty(min(x.shape[0], MAX_ROWS) * lib.ms_row_size(lib.ms_vec_dot_type(self.type_id), k),
                               dtype=torch.uint8)

@@ -1,7 +1,14 @@
 """A GGUF file's quantized weights kept as shipped: the stored forms, their checks, and the model they make.
 
-`tools/convert_gguf.py --keep-quant` stores each quantized matrix of a GGUF in one of two forms,
-as a few tensors under the matrix's own name (NAME = e.g. `layers.0.mlp.up_proj.weight`):
+`tools/convert_gguf.py --keep-quant` stores each quantized matrix of a GGUF as one or a few tensors
+under the matrix's own name (NAME = e.g. `layers.0.mlp.up_proj.weight`):
+
+- **the file's blocks** (`q4_k`, `q6_k`, `q5_0`, `q8_0`: `BLOCK_FORMS`): `NAME.q4_k` (etc.) uint8 (N, bytes
+  a row), the GGUF's own blocks, byte for byte. What --keep-quant writes for those four types: a CPU
+  multiplies them with llama.cpp's kernels (minispec.ggml) where that library is built, and otherwise
+  makes them into the two forms below at load (`decode_blocks` reads them as ggml does).
+
+Files written before kept the two forms below, which still load:
 
 - **int4 groups** (`q4`): `NAME.q4` uint8 (N, K/2), two 4-bit values q a byte (input 2i in the low
   nibble, 2i+1 in the high), `NAME.q4_scale` and `NAME.q4_min` float32 (N, K/32): the weight is
@@ -32,6 +39,7 @@ import struct
 import torch
 import torch.nn as nn
 
+from . import ggml, kernels
 from .errors import InputError
 from .kernels import Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked
 
@@ -43,6 +51,10 @@ FORMS = {
            ("q4_min", "F32", lambda n, k: (n, k // GROUP))),
     "q8": (("q8", "I8", lambda n, k: (n, k)), ("q8_scale", "F32", lambda n, k: (n,))),
 }
+# a GGUF's own blocks, one uint8 row of blocks per output, under the type's name (NAME.q4_k, ...): what
+# --keep-quant writes for the types this module can also decode without the compiled product
+BLOCK_FORMS = ("q4_k", "q6_k", "q5_0", "q8_0")
+FORMS.update({kind: ((kind, "U8", lambda n, k, kind=kind: (n, ggml.row_bytes(kind, k))),) for kind in BLOCK_FORMS})
 _SUFFIX = {suffix: form for form, parts in FORMS.items() for suffix, _, _ in parts}
 
 
@@ -57,6 +69,12 @@ def matrix_shape(form: str, parts: dict[str, tuple[int, ...]], name: str, source
         raise QuantizedCheckpointError(f"{source}: {name}.{FORMS[form][0][0]} has shape {first}; a kept matrix "
                                        "is 2-D and non-empty")
     n, k = first[0], first[1] * (2 if form == "q4" else 1)
+    if form in BLOCK_FORMS:
+        _, values, size = ggml.TYPES[form]
+        if first[1] % size:
+            raise QuantizedCheckpointError(f"{source}: {name}.{form} has rows of {first[1]} bytes, not whole "
+                                           f"{form} blocks of {size}")
+        k = first[1] // size * values
     if form == "q4" and k % GROUP:
         raise QuantizedCheckpointError(f"{source}: {name}.q4 holds {k} inputs a row, not a multiple of {GROUP}")
     for suffix, _, shape in FORMS[form]:
@@ -145,8 +163,45 @@ def int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q8": (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), "q8_scale": scale}
 
 
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    """(..., 2) uint8 little-endian fp16 values -> (...) float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def decode_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """(..., row bytes) uint8 GGUF blocks of `kind` -> (..., K) float32, the values ggml's dequantize_row_*
+    gives (computed in its order, so bit for bit; tested against gguf's)."""
+    _, values, size = ggml.TYPES[kind]
+    lead, k = blocks.shape[:-1], blocks.shape[-1] // size * values
+    b = blocks.reshape(-1, size)
+    if kind == "q4_k":
+        return dequantize("q4", q4_k_groups(b.reshape(-1), b.shape[0] * size // blocks.shape[-1], k)).reshape(
+            *lead, k)
+    if kind == "q8_0":  # fp16 d, 32 int8 q: d * q
+        q = b[:, 2:].view(torch.int8).float()
+        out = q * _fp16(b[:, 0:2])[:, None]
+    elif kind == "q5_0":  # fp16 d, 32 high bits, 16 bytes of low nibbles: (q - 16) * d
+        qh = b[:, 2:6].long()
+        qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
+        bits = (qh[:, None] >> torch.arange(32)) & 1
+        qs = b[:, 6:].long()
+        q = torch.cat((qs & 15, qs >> 4), dim=1) | (bits << 4)
+        out = (q - 16).float() * _fp16(b[:, 0:2])[:, None]
+    else:  # q6_k: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d; (d * scale) * (q - 32)
+        ql, qh = b[:, :128].long().view(-1, 2, 64), b[:, 128:192].long().view(-1, 2, 1, 32)
+        lo, hi = ql[..., None, :32], ql[..., None, 32:]
+        q = torch.cat((lo & 15, hi & 15, lo >> 4, hi >> 4), dim=2) | (((qh >> torch.tensor([0, 2, 4, 6])[:, None]) & 3)
+                                                                      << 4)
+        scale = b[:, 192:208].view(torch.int8).float().view(-1, 2, 4, 2).repeat_interleave(16, dim=-1)
+        out = (_fp16(b[:, 208:210])[:, None, None, None] * scale) * (q - 32).float()
+    return out.reshape(*lead, k)
+
+
 def dequantize(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A kept matrix's (or some of its rows') float32 values, as stored: scale * q - min, or scale * q."""
+    """A kept matrix's (or some of its rows') float32 values, as stored: scale * q - min, or scale * q, or the
+    GGUF blocks' own values."""
+    if form in BLOCK_FORMS:
+        return decode_blocks(form, parts[form])
     if form == "q4":
         q = unpack_q4(parts["q4"]).float()
         g = q.view(*q.shape[:-1], -1, GROUP)
@@ -157,7 +212,7 @@ def dequantize(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 def computed_values(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The weights as the CPU's kernels compute them: scales and offsets in bf16 (for an int4 group the kernel's
     (q - 8) * scale + zero, zero = 8 * scale - min); an int8 row's scale already is bf16."""
-    if form == "q8":
+    if form != "q4":  # int8 rows' scales are bf16 already; ggml multiplies a file's blocks as they are
         return dequantize(form, parts)
     scale, zero = parts["q4_scale"].float(), 8 * parts["q4_scale"].float() - parts["q4_min"].float()
     q = unpack_q4(parts["q4"]).float().view(*scale.shape, GROUP) - 8
@@ -165,8 +220,19 @@ def computed_values(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def packed_weight(form: str, parts: dict[str, torch.Tensor]) -> PackedWeight:
-    """A kept matrix as the product the CPU computes: its int4 or int8 kernel, else (a shape the kernel does
-    not take) its dequantized values multiplied row by row."""
+    """A kept matrix as the product the CPU computes: a file's blocks through ggml's kernels (minispec.ggml)
+    where that is built and the fast paths are on; else its int4 or int8 kernel (a file's blocks made into
+    int4 groups, Q4_K exactly, or int8 rows), else (a shape those kernels do not take) its dequantized values
+    multiplied row by row."""
+    if form in BLOCK_FORMS:
+        blocks = parts[form]
+        _, values, size = ggml.TYPES[form]
+        k = blocks.shape[1] // size * values
+        if kernels.enabled() and ggml.available():
+            return ggml.GgmlWeight(form, blocks, k)
+        if form == "q4_k":
+            return packed_weight("q4", q4_k_groups(blocks.reshape(-1), blocks.shape[0], k))
+        return packed_weight("q8", int8_rows(decode_blocks(form, blocks)))
     n, k = parts["q4" if form == "q4" else "q8"].shape
     k *= 2 if form == "q4" else 1
     if form == "q4" and Int4Weight.fits((n, k)):
@@ -191,7 +257,7 @@ class KeptEmbedding(nn.Module):
     def __init__(self, form: str, parts: dict[str, torch.Tensor]):
         super().__init__()
         self.form, self.parts = form, parts
-        self.num_embeddings = parts["q4" if form == "q4" else "q8"].shape[0]
+        self.num_embeddings = parts[FORMS[form][0][0]].shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize(self.form, {name: t[ids] for name, t in self.parts.items()})

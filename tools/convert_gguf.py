@@ -6,8 +6,8 @@
 What a GGUF holds and what becomes of it:
 - tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants) are dequantized
   with `gguf.quants.dequantize` and stored in model.safetensors at --dtype; with --keep-quant each
-  quantized matrix keeps the file's quantization instead (minispec.quantized): Q4_K's own 4-bit values,
-  scales and mins as int4 groups, exactly; any other quantized type as int8 rows requantized from its
+  quantized matrix keeps the file's quantization instead (minispec.quantized): Q4_K, Q6_K, Q5_0 and Q8_0
+  as the file's own blocks, byte for byte; any other quantized type as int8 rows requantized from its
   dequantized values (how far each is from the file: the table it prints, and docs/design.md);
 - for llama, llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE, which
   rotates adjacent pairs, matches Hugging Face's rotate-half RoPE; we undo that permutation per
@@ -584,7 +584,8 @@ class KeptTensor:
     def __init__(self, t, name: str, shape: tuple[int, int], cfg: ModelConfig, permuted: bool, errors: dict,
                  source: str = "the GGUF file"):
         self.t, self.name, self.shape, self.cfg, self.permuted, self.errors = t, name, shape, cfg, permuted, errors
-        self.form = "q4" if t.tensor_type.name == "Q4_K" else "q8"
+        kind = t.tensor_type.name.lower()  # the file's blocks as they are where minispec can also decode them
+        self.form = kind if kind in quantized.BLOCK_FORMS else "q8"
         self.source = source
         self.parts: dict[str, torch.Tensor] | None = None
         self.left: set[str] = set()  # the parts not yet written: the made ones are dropped after the last
@@ -618,9 +619,8 @@ class KeptTensor:
             rows = self.t.data[i:i + step]  # (rows, bytes a row), as the reader maps them
             with np.errstate(all="ignore"):  # a non-finite scale's NaN or inf: refused below, not warned
                 exact = torch.from_numpy(gguf.quants.dequantize(rows, kind).reshape(-1, k))  # the file's values
-            if self.form == "q4":
-                raw = torch.from_numpy(np.array(rows, dtype=np.uint8).reshape(-1))  # a writable copy
-                chunk = quantized.q4_k_groups(raw, len(exact), k)
+            if self.form in quantized.BLOCK_FORMS:
+                chunk = {self.form: torch.from_numpy(np.array(rows, dtype=np.uint8))}  # a writable copy
             else:
                 chunk = quantized.int8_rows(exact)
             bad = next((v for v in (exact, *chunk.values()) if v.is_floating_point() and not torch.isfinite(v).all()),
@@ -721,8 +721,9 @@ def main(argv=None) -> int:
     args.add_argument("--int4", action="store_true",
                       help="record in config.json that a CPU loads the products in int4: a draft's fast form")
     args.add_argument("--keep-quant", action="store_true",
-                      help="keep each quantized matrix's own quantization (Q4_K as int4 groups, exactly; other "
-                           "types as int8 rows): a CPU computes it as stored; --dtype applies to the float tensors")
+                      help="keep each quantized matrix's own quantization (Q4_K, Q6_K, Q5_0, Q8_0 as the file's "
+                           "blocks; other types as int8 rows): a CPU computes it as stored; --dtype applies to the "
+                           "float tensors")
     args = args.parse_args(argv)
 
     def job() -> str:
