@@ -97,6 +97,27 @@ def kept_int4(model: Transformer, path: Path) -> Transformer:
     return Transformer.from_pretrained(path)
 
 
+def kept_blocks(model: Transformer, path: Path) -> Transformer:
+    """`model` with every matrix of a multiple of 32 inputs stored as a GGUF's Q8_0 blocks (the kept block form,
+    minispec.quantized; gguf-py quantizes Q8_0) at `path`, loaded back: a target computed by ggml's kernels where
+    that library is built, as a kept GGUF's is."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".weight") and t.dim() == 2 and t.shape[1] % 32 == 0:
+            raw = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            tensors[f"{name}.q8_0"] = torch.from_numpy(np.ascontiguousarray(raw))
+        else:
+            tensors[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save(str(path / "config.json"))
+    save_file(tensors, str(path / "model.safetensors"))
+    return Transformer.from_pretrained(path)
+
+
 def tiny_pair() -> tuple[Transformer, Transformer]:
     """The equivalence tests' draft/target pair: a 3-layer peaked target over 32 tokens and its first layer as the
     draft (acceptance about 0.2 at temperature 0.7: many rejections, some acceptances)."""

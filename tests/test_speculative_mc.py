@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minispec import SamplingParams, Transformer
+from minispec import SamplingParams, Transformer, ggml
 from minispec.controls import BrokenDraw
 from minispec.sampling import logits_to_probs
 from minispec.speculative import AdaptiveK, PromptLookupDrafter
 
-from helpers import kept_int4, peaked_model
+from helpers import kept_blocks, kept_int4, peaked_model
 from helpers import truncated as shared_truncated
 
 V = 8  # vocabulary: V**3 = 512 possible continuations of 3 tokens
@@ -44,6 +44,8 @@ def models(tmp_path_factory):
         # the target's matrices in int4 groups, computed by the int4 kernel as a kept GGUF's are (the head,
         # of 8 rows, is a shape the kernel does not take: multiplied row by row in fp32)
         "int4-target": kept_int4(target, tmp_path_factory.mktemp("int4") / "target"),
+        # the target's matrices as a GGUF's Q8_0 blocks, multiplied by ggml's kernels (activations rounded to Q8_0)
+        "ggml-target": kept_blocks(target, tmp_path_factory.mktemp("ggml") / "target") if ggml.available() else None,
         "target": target,  # draft == target: every draft is accepted
         "truncated": truncated(target),  # acceptance ~0.5-0.7
         "truncated-peaked": truncated(target, logit_scale=4.0),  # near-deterministic draft
@@ -187,17 +189,29 @@ def test_a_sampled_draft_with_one_hot_q_on_its_own_token_is_exact(models, draft,
 INT4 = [("target", 2, 1.0, None, None), ("small", 3, 0.7, 4, 0.9)]
 
 
+KEPT_TARGETS = ["int4-target", "ggml-target"]
+
+
+def kept_target(models, target: str) -> str:
+    if models[target] is None:
+        pytest.skip("the quantized product is not built (python tools/build_ggml.py)")
+    return target
+
+
+@pytest.mark.parametrize("target", KEPT_TARGETS)
 @pytest.mark.parametrize("draft,k,temperature,top_k,top_p", INT4)
-def test_an_int4_target_is_exact(models, draft, k, temperature, top_k, top_p):
-    p, stats = run(models, draft, k, temperature, top_k, top_p, target="int4-target")
+def test_an_int4_target_is_exact(models, draft, k, temperature, top_k, top_p, target):
+    p, stats = run(models, draft, k, temperature, top_k, top_p, target=kept_target(models, target))
     assert stats.drafted > 0 and 0 < stats.acceptance_rate < 1
     assert p > 1e-4, f"speculate's distribution differs from the int4 target's: chi-square p = {p:.3g}"
 
 
+@pytest.mark.parametrize("target", KEPT_TARGETS)
 @pytest.mark.parametrize("sampler,draft,k,temperature,top_k", [NEGATIVE[1], NEGATIVE[3]])
-def test_broken_samplers_are_rejected_with_an_int4_target(models, sampler, draft, k, temperature, top_k):
-    p_exact, _ = run(models, draft, k, temperature, top_k, target="int4-target")
-    p_broken, _ = run(models, draft, k, temperature, top_k, sampler=sampler, target="int4-target")
+def test_broken_samplers_are_rejected_with_an_int4_target(models, sampler, draft, k, temperature, top_k, target):
+    target = kept_target(models, target)
+    p_exact, _ = run(models, draft, k, temperature, top_k, target=target)
+    p_broken, _ = run(models, draft, k, temperature, top_k, sampler=sampler, target=target)
     assert p_exact > 1e-4, f"the exact sampler fails these settings: p = {p_exact:.3g}"
     assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
 
