@@ -443,13 +443,10 @@ def _check_server_options(args) -> None:
     for path in (args.server_model, args.server_draft):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{path} is not a file (--server-model / --server-draft take GGUF files)")
-    given = [f for f, v in (("--draft", args.draft), ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                            ("--draft-dtype", args.draft_dtype)) if v is not None]
-    if args.sampler != "exact":
-        given.append("--sampler")
-    if given:
-        raise UsageError(f"{', '.join(given)} do(es) not apply with --engine {LLAMA_CPP}: the server samples with its "
-                         "own code (its draft: --server-draft)")
+    _refuse(args, [("--draft", args.draft), ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
+                   ("--draft-dtype", args.draft_dtype)],
+            f"do(es) not apply with --engine {LLAMA_CPP}: the server samples with its own code (its draft: "
+            "--server-draft)")
     if not isinstance(args.k, int):
         raise UsageError(f"--engine {LLAMA_CPP} takes a number for --k (the server's maximum draft length)")
     if args.k > MAX_K:
@@ -457,20 +454,23 @@ def _check_server_options(args) -> None:
                          "slot's context holds a round of drafts)")
 
 
+def _refuse(args, options, why: str) -> None:
+    """UsageError naming the given (flag, value) options and --sampler other than exact, when any was given."""
+    given = [f for f, v in options if v is not None] + (["--sampler"] if args.sampler != "exact" else [])
+    if given:
+        raise UsageError(f"{', '.join(given)} {why}")
+
+
 def _check_remote_options(args) -> None:
     """--engine openai / sglang: a server at --url, nothing started; minispec's own options out."""
     if args.url is None:
         raise UsageError(f"--engine {args.engine} needs --url (BASE ending in /v1 for openai, the server's root for "
                          "sglang)")
-    given = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                            ("--server-threads", args.server_threads), ("--draft", args.draft),
-                            ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                            ("--draft-dtype", args.draft_dtype)) if v is not None]
-    if args.sampler != "exact":
-        given.append("--sampler")
-    if given:
-        raise UsageError(f"{', '.join(given)} do(es) not apply with --engine {args.engine}: the server at --url "
-                         "samples with its own code and settings")
+    _refuse(args, [("--server-model", args.server_model), ("--server-draft", args.server_draft),
+                   ("--server-threads", args.server_threads), ("--draft", args.draft), ("--hf-target", args.hf_target),
+                   ("--hf-draft", args.hf_draft), ("--draft-dtype", args.draft_dtype)],
+            f"do(es) not apply with --engine {args.engine}: the server at --url samples with its own code and "
+            "settings")
     if args.model is not None and args.engine != "openai":
         raise UsageError("--model goes with --engine openai (SGLang's /generate serves one model)")
 

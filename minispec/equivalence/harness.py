@@ -245,7 +245,8 @@ class EquivalenceReport:
     def to_dict(self) -> dict:
         drafted, accepted = self.drafts
         d = {"passed": self.passed, "verdict": self.verdict, "mode": self.mode, "calibrated": self.calibrated,
-             "drafted": drafted, "accepted": accepted, "settings": self.settings, "speed": self.speed, "speculation": self.speculation, "notes": self.notes}
+             "drafted": drafted, "accepted": accepted, "settings": self.settings, "speed": self.speed,
+             "speculation": self.speculation, "notes": self.notes}
         if self.mode == "pit":
             d["speculative"] = self.speculative.to_dict()
             d["reference"] = None if self.reference is None else self.reference.to_dict()

@@ -205,6 +205,18 @@ class Power:
     head: int = HEAD
     seconds: float = 0.0  # the simulation's time (reported with the run's speed, as power_s)
 
+    def add(self, kind: str, eps: float | None, rate: float, full: float) -> None:
+        """One kind's result: the smallest eps reached (None: not even at 1), its rate, TV(p, r) at eps = 1."""
+        self.kinds[kind] = {"eps": eps, "tv": None if eps is None else eps * full, "tv_at_full_strength": full,
+                            "rate": rate}
+
+    def finish(self, t0: float) -> Power:
+        """The headline (the largest TV over the kinds) and the simulation's time since t0."""
+        found = [v["tv"] for v in self.kinds.values() if v["tv"] is not None]
+        self.tv = max(found) if found else None
+        self.seconds = time.perf_counter() - t0
+        return self
+
     @property
     def undetected(self) -> list[str]:
         return [k for k, v in self.kinds.items() if v["eps"] is None]
@@ -238,13 +250,8 @@ def detectable_bias(p: np.ndarray, f_id: np.ndarray, alpha: float, bins: int, or
     for kind in kinds:
         sim = base.distort(kind)
         eps, rate = smallest_eps(lambda e, r, sim=sim: float(sim.rejects(e, alpha, bins, r).mean()), runs, target)
-        full = float(sim.tv.mean())
-        out.kinds[kind] = {"eps": eps, "tv": None if eps is None else eps * full, "tv_at_full_strength": full,
-                           "rate": rate}
-    found = [v["tv"] for v in out.kinds.values() if v["tv"] is not None]
-    out.tv = max(found) if found else None
-    out.seconds = time.perf_counter() - t0
-    return out
+        out.add(kind, eps, rate, float(sim.tv.mean()))
+    return out.finish(t0)
 
 
 def smallest_eps(rate, runs: int, target: float = POWER, grid=GRID, refine: int = REFINE_STEPS):
@@ -331,10 +338,5 @@ def two_sample_power(a, b, alpha: float, groups_a=None, groups_b=None, kinds=KIN
             return float((sps.chi2.sf(stat, dfs) <= level).any(-1).mean())
 
         eps, hit = smallest_eps(rate, runs, target)
-        full = float((0.5 * np.abs(p - r).sum(1)).mean())
-        out.kinds[kind] = {"eps": eps, "tv": None if eps is None else eps * full, "tv_at_full_strength": full,
-                           "rate": hit}
-    found = [v["tv"] for v in out.kinds.values() if v["tv"] is not None]
-    out.tv = max(found) if found else None
-    out.seconds = time.perf_counter() - t0
-    return out
+        out.add(kind, eps, hit, float((0.5 * np.abs(p - r).sum(1)).mean()))
+    return out.finish(t0)
