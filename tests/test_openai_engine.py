@@ -141,7 +141,8 @@ class Stub:
         if self.shape == "sglang":
             out = {"text": "", "meta_info": {"id": "x", "finish_reason": {"type": "length", "length": len(ids)},
                                              "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
-                                             "spec_verify_ct": 0 if d == 0 else 2},
+                                             "spec_verify_ct": 0 if d == 0 else 2, "spec_draft_token_num": d,
+                                             "spec_accept_token_num": a},
                    "output_ids": None if self.how == "no-ids" else ids}
             return 200, out
         if self.shape == "vllm":
@@ -208,7 +209,10 @@ def test_exact_samples_pass_both_audits(stubs, reference):
 def test_other_shapes_are_read_as_ids(stubs, shape):
     stub = stubs(shape)
     drawn = run(stub, n=100)
-    assert drawn.drafted is None  # vLLM's completions and a drafting SGLang say nothing of the draft count
+    if shape == "vllm":
+        assert drawn.drafted is None  # vLLM's completions say nothing of drafting
+    else:
+        assert 0 < drawn.accepted <= drawn.drafted  # SGLang's meta_info counts, summed
     assert drawn.samples.settings["engine"] == ("sglang" if shape == "sglang" else "openai")
     assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
 

@@ -21,7 +21,7 @@
 What the server answers is checked: the model it names, exactly `tokens` ids in the target's vocabulary, its
 reported completion token count, a finish reason of length. Anything else is a one-line ServerError.
 Drafting is read where the engine reports it: llama.cpp's per-request `timings.draft_n` / `draft_n_accepted`,
-SGLang's `meta_info.spec_verify_ct` (verify passes) with its accepted count; None where it tells nothing.
+SGLang's `meta_info.spec_draft_token_num` / `spec_accept_token_num`; None where it tells nothing.
 """
 
 from __future__ import annotations
@@ -248,9 +248,8 @@ def parse_completion(resp, tokens: int, vocab_size: int, model: str | None, wher
 
 
 def parse_sglang(resp, tokens: int, vocab_size: int, where: str):
-    """An SGLang /generate answer -> (ids, drafted, accepted), checked. SGLang reports verify passes
-    (meta_info.spec_verify_ct) and, where it does, accepted draft tokens (spec_accept_token_num); with k drafts a
-    pass, drafted is not told, so the pair is (None, accepted) unless the accepted count is there."""
+    """An SGLang /generate answer -> (ids, drafted, accepted), checked: meta_info's spec_draft_token_num and
+    spec_accept_token_num; (0, 0) when it reports no verify pass (spec_verify_ct 0), None when it tells nothing."""
     if not isinstance(resp, dict) or not isinstance(resp.get("meta_info"), dict):
         raise ServerError(f"{where}: the /generate answer has no meta_info object")
     meta = resp["meta_info"]
@@ -264,10 +263,11 @@ def parse_sglang(resp, tokens: int, vocab_size: int, where: str):
     if n is not None and n != tokens:
         raise ServerError(f"{where} reported {n} completion tokens, {tokens} were asked for")
     verify = _count(meta.get("spec_verify_ct"), "spec_verify_ct", where)
+    drafted = _count(meta.get("spec_draft_token_num"), "spec_draft_token_num", where)
     accepted = _count(meta.get("spec_accept_token_num"), "spec_accept_token_num", where)
     if verify == 0:
         return ids, 0, 0
-    return ids, None, accepted
+    return ids, drafted, accepted
 
 
 def check_seed_range(seed: int, n: int) -> None:
