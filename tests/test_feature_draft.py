@@ -15,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minispec import Transformer, load_draft
 from minispec.feature_draft import FeatureDrafter, build_feature_draft
 from minispec.speculative import get_sampler
 
-from helpers import TOOLS, peaked_model
+from helpers import ROOT, TOOLS, peaked_model
 
 sys.path.insert(0, str(TOOLS))
 import feature_data  # noqa: E402
@@ -137,7 +138,6 @@ def test_training_resumes_and_repeats(tmp_path):
 def test_export_and_load(pair, tmp_path):
     target, draft, _ = pair
     draft.save(tmp_path / "d", None)
-    from minispec.draft_loader import load_draft
     loaded = load_draft(tmp_path / "d", target)
     assert isinstance(loaded, FeatureDrafter)
     res = target.speculate(loaded, [1, 2, 3], k=3, max_new_tokens=10, stop_tokens=[])
@@ -169,3 +169,18 @@ def test_broken_samplers_are_rejected_with_a_feature_draft(mc_models, sampler):
     broken = FeatureDrafter(mc_models["draft"], mc_models["target"], draw=get_sampler(sampler).draw)
     p_broken, _ = mc_run(mc_models, broken, 2, 1.0, sampler=sampler)
     assert p_broken < 1e-6, f"the test cannot tell sampler={sampler!r} from exact: p = {p_broken:.3g}"
+
+
+@pytest.mark.slow
+def test_the_real_pair_greedy_equals_generate():
+    """The kept Q4_K_M 1.5B with its committed feature draft (make weights-coder): greedy speculation is generation."""
+    target_dir, draft_dir = ROOT / "weights" / "qwen2.5-coder-1.5b-instruct-q4km", ROOT / "weights" / \
+        "qwen2.5-coder-1.5b-q4km-draft"
+    if not (target_dir / "model.safetensors").is_file():
+        pytest.skip("make weights-coder writes the kept 1.5B")
+    target = Transformer.from_pretrained(target_dir)
+    drafter = load_draft(draft_dir, target)
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": "Write a Python function that reverses a list."}])
+    res = target.speculate(drafter, ids, k=3, max_new_tokens=24, stop_tokens=[])
+    assert res.tokens == target.generate(ids, max_new_tokens=24, stop_tokens=[])
+    assert res.stats.accepted > 0
