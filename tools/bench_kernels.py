@@ -82,22 +82,10 @@ def median_ms(fn, x, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def matrix_bytes(model) -> int:
-    """Bytes a decode step reads from the model's matrices (kept blocks, packed values and scales, floats)."""
-    total = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        for part in getattr(w, "parts", [w]):
-            tensors = [part] if isinstance(part, torch.Tensor) else [getattr(part, n, None) for n in
-                                                                     ("blocks", "packed", "scales", "q", "w")]
-            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    head = model.head_packed
-    return total + (sum(t.numel() * t.element_size() for t in (getattr(head, "blocks", None),) if t is not None)
-                    if head is not None else 0)
-
-
 def model_passes(path: str, reps: int) -> None:
     """A kept model's decode step and 5- and 9-token passes, medians of `reps`, with the products' share."""
+    from bench_quant import packed_bytes
+
     from minispec import Transformer
     model = Transformer.from_pretrained(path)
     cache = model.new_cache()
@@ -112,7 +100,7 @@ def model_passes(path: str, reps: int) -> None:
         spent[0] += time.perf_counter() - t0
         return out
     ggml.GgmlWeight.product = timed
-    nbytes = matrix_bytes(model)
+    nbytes = packed_bytes(model)
     try:
         for rows in (1, 5, 9):
             times, shares = [], []

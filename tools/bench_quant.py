@@ -30,13 +30,14 @@ ROWS = (1, 2, 3, 4, 5, 6, 8)  # new tokens a pass scores: a decode step, verify 
 
 
 def packed_bytes(model: Transformer) -> int:
-    """Bytes a decode step reads from the model's matrices (packed values, scales; a float matrix's elements)."""
+    """Bytes a decode step reads from the model's matrices (a file's blocks, packed values, scales; a float
+    matrix's elements)."""
     total = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
         for part in getattr(w, "parts", [w]):
-            tensors = [part] if isinstance(part, torch.Tensor) else [getattr(part, n, None) for n in
-                                                                     ("packed", "scales", "q", "scale", "w")]
+            names = ("blocks", "packed", "scales", "q", "scale", "w")
+            tensors = [part] if isinstance(part, torch.Tensor) else [getattr(part, n, None) for n in names]
             total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
