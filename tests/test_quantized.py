@@ -389,15 +389,15 @@ def test_the_real_0_5b_kept_against_its_fp32_conversion(real_pair):
         x = torch.tensor([ids + want])
         a, b = kept(x)[0, len(ids) - 1:, :n], fp32(x)[0, len(ids) - 1:, :n]
         kl = (b.softmax(-1) * (b.log_softmax(-1) - a.log_softmax(-1))).sum(-1)
-        # int8 rows for the file's Q5_0/Q8_0/Q6_K matrices, bf16 activations into the products: bounds well
-        # above what was measured (docs/design.md, "Quantized targets")
+        # the products' rounding (bf16 activations into PyTorch's kernels, Q8 activations into ggml's, int8 rows
+        # where the blocks are made into them): bounds well above what was measured (docs/design.md)
         assert kl.max() < 0.02 and kl.mean() < 0.005, f"KL per position {kl.tolist()}"
-        if i < 2:  # the code prompts: the same 24 greedy tokens
-            assert got == want
-        else:  # here the two forms part at a near-tie of the fp32 model's two best tokens
-            first = next(j for j, (u, v) in enumerate(zip(got, want)) if u != v)
+        # the same 24 greedy tokens, or parted at a near-tie of the fp32 model's two best tokens (through ggml
+        # the sort prompt parts at its third token, a gap of 0.04; through PyTorch the last prompt, later)
+        first = next((j for j, (u, v) in enumerate(zip(got, want)) if u != v), None)
+        if first is not None:
             top = b[first].topk(2).values
-            assert first >= 2 and float(top[0] - top[1]) < 0.25
+            assert first >= 2 and float(top[0] - top[1]) < 0.25, (i, first, float(top[0] - top[1]))
 
 
 def test_greedy_speculation_with_the_real_kept_target(real_pair):
