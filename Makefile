@@ -109,8 +109,9 @@ demo: setup weights
 		--chat --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
 # speculative generation from the kept 1.5B with its feature draft, on a coding prompt
+# the int4 0.5B drafts: the feature draft (CODER_FEATURE) does not pay yet (docs/benchmarks.md, "Drafts")
 demo-coder: setup weights-coder
-	$(PY) -m minispec generate --target $(CODER_Q4) --draft $(CODER_FEATURE) \
+	$(PY) -m minispec generate --target $(CODER_Q4) --draft $(CODER_DRAFT) \
 		--chat --prompt "$(CODER_PROMPT)" --max-new-tokens 256
 
 bench: setup weights

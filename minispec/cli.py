@@ -42,7 +42,7 @@ from .equivalence.llama_server import ENGINE as LLAMA_CPP
 from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_samples
 from .equivalence.openai import KINDS as REMOTE_KINDS
 from .equivalence.samples import check_output_path, open_regular
-from .errors import MAX_SEED, InputError, one_line, resolve_device
+from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_device
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
 from .threads import fixed_threads
@@ -631,8 +631,11 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
             check_window(target, prompts, args.tokens)  # before the server starts
             report = audit_samples(target, _server_samples(args, target, prompts), **test)
         elif args.engine == "minispec":
-            draft = (args.draft if args.draft == PROMPT_LOOKUP
-                     else load_draft(args.draft, device, target, args.draft_dtype))
+            try:
+                draft = (args.draft if args.draft == PROMPT_LOOKUP
+                         else load_draft(args.draft, device, target, args.draft_dtype))
+            except GenerationError as e:  # a draft made for another target is a bad pair of arguments
+                raise EquivalenceInputError(str(e)) from None
             report = run_equivalence(target, draft, prompts, **sampling, **test)
         else:
             with exported({"target": args.hf_target or args.target,

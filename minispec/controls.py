@@ -176,6 +176,7 @@ class OneHotQ(BrokenDraw):
 
 class TreeIndependent(Control):
     name = "tree-independent"
+    trees_only = True  # a chain round has no siblings: on chains this sampler is the exact one
 
     def tree_verify(self, draft_tokens, parents, q, p, uniforms):
         return super().tree_verify(draft_tokens, parents, q, p, uniforms, siblings_see_residual=False)
@@ -188,4 +189,6 @@ def register(*samplers: ExactSampler) -> None:
 
 register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft(), TargetAtT1(), ResidualDraftedOnly(), ArgMax(),
          OneHotQ(), TreeIndependent())
-CONTROLS = tuple(name for name, s in SAMPLERS.items() if isinstance(s, Control))  # the names, in that order
+# the names, in that order: CONTROLS break chain rounds (what the harness drives), TREE_CONTROLS tree rounds only
+CONTROLS = tuple(n for n, s in SAMPLERS.items() if isinstance(s, Control) and not getattr(s, "trees_only", False))
+TREE_CONTROLS = tuple(n for n, s in SAMPLERS.items() if getattr(s, "trees_only", False))
