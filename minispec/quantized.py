@@ -168,6 +168,16 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+# where each block type keeps its fp16 scales (d, and Q4_K's dmin): the bytes a non-finite check reads
+SCALE_BYTES = {"q4_k": ((0, 4),), "q6_k": ((208, 210),), "q5_0": ((0, 2),), "q8_0": ((0, 2),)}
+
+
+def block_scales(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Every fp16 scale of a (..., row bytes) uint8 tensor of `kind` blocks, as float32 (flat)."""
+    b = blocks.reshape(-1, ggml.TYPES[kind][2])
+    return torch.cat([_fp16(b[:, i:j].reshape(-1, 2)).reshape(-1) for i, j in SCALE_BYTES[kind]])
+
+
 def decode_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """(..., row bytes) uint8 GGUF blocks of `kind` -> (..., K) float32, the values ggml's dequantize_row_*
     gives (computed in its order, so bit for bit; tested against gguf's)."""
@@ -310,7 +320,8 @@ def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
     here, naming the tensor, since every value it scales would be NaN or inf when the model runs."""
     parts = {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]}
     for suffix, t in parts.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if (t.is_floating_point() and not bool(torch.isfinite(t).all())) or (
+                form in BLOCK_FORMS and not bool(torch.isfinite(block_scales(form, t)).all())):
             raise QuantizedCheckpointError(f"tensor {name}.{suffix} holds NaN or inf: the matrix's weights would be "
                                            "too; the file is corrupt: convert its GGUF again")
     return parts
