@@ -25,14 +25,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minispec import ggml, kernels, quantized  # noqa: E402
+from minispec import ggml, kernels, quantized
 
 SHAPES = {"q/o 1536x1536": (1536, 1536), "k/v 256x1536": (256, 1536), "gate/up 8960x1536": (8960, 1536),
           "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}

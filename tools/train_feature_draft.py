@@ -36,6 +36,7 @@ from minispec import ModelConfig, Transformer
 from minispec.feature_draft import FeatureDraft, build_feature_draft
 
 from distill.checkpoint import load_checkpoint, save_checkpoint  # tools/ is on sys.path when this runs as a script
+from distill.cli import exit_status
 from draft_head import head_ids as frequent_head_ids
 
 RUN = "runs/feature-draft"
@@ -288,32 +289,29 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn-dim", type=int, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    return exit_status(lambda: run_stages(args))
+
+
+def run_stages(args) -> None:
+    """The stages the command line asked for, in order (collect, train, export; or measure)."""
     run_dir = Path(args.run)
-    try:
-        if args.stage in ("collect", "all"):
-            collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
-                    minutes=args.collect_minutes)
-        if args.stage == "collect":
-            return 0
-        if args.stage == "measure":
-            report = measure(args.target, args.draft or args.out, args.n_prompts, args.max_new_tokens)
-            print(json.dumps(report, indent=2))
-            return 0
-        target = Transformer.from_pretrained(args.target, dtype=torch.float32)
-        if args.stage in ("train", "all"):
-            cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
-            train(target, run_dir, cfg, args.steps, args.train_minutes)
-        if args.stage in ("export", "all"):
-            if args.out is None:
-                raise ValueError("export needs --out DIR")
-            export(target, run_dir, args.out)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    if args.stage in ("collect", "all"):
+        collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
+                minutes=args.collect_minutes)
+    if args.stage == "collect":
+        return
+    if args.stage == "measure":
+        report = measure(args.target, args.draft or args.out, args.n_prompts, args.max_new_tokens)
+        print(json.dumps(report, indent=2))
+        return
+    target = Transformer.from_pretrained(args.target, dtype=torch.float32)
+    if args.stage in ("train", "all"):
+        cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
+        train(target, run_dir, cfg, args.steps, args.train_minutes)
+    if args.stage in ("export", "all"):
+        if args.out is None:
+            raise ValueError("export needs --out DIR")
+        export(target, run_dir, args.out)
 
 
 if __name__ == "__main__":

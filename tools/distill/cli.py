@@ -221,10 +221,10 @@ def run(argv: list[str]) -> None:
     args.func(args)
 
 
-def main(argv=None) -> int:
-    """The entry point: 0 on success, 1 with `error: ...` on a user error, 130 on Ctrl-C."""
+def exit_status(job) -> int:
+    """job() run as a command: 0 on success, 1 with `error: ...` on a user error, 130 on Ctrl-C."""
     try:
-        run(sys.argv[1:] if argv is None else list(argv))
+        job()
     except (ValueError, OSError) as e:  # the project's errors (CheckpointError, DataError) are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -232,3 +232,8 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def main(argv=None) -> int:
+    """The entry point: 0 on success, 1 with `error: ...` on a user error, 130 on Ctrl-C."""
+    return exit_status(lambda: run(sys.argv[1:] if argv is None else list(argv)))
