@@ -11,7 +11,8 @@ from bench_plan import CODER_PROMPTS
 from minispec import Transformer, load_draft
 
 NEW_TOKENS, ROUNDS, PROMPTS = 32, 2, 2
-TARGET_GGUF, DRAFT_GGUF = "weights/gguf/qwen2.5-coder-1.5b-instruct.gguf", "weights/gguf/qwen2.5-coder-0.5b-instruct.gguf"
+TARGET_GGUF = "weights/gguf/qwen2.5-coder-1.5b-instruct.gguf"
+DRAFT_GGUF = "weights/gguf/qwen2.5-coder-0.5b-instruct.gguf"
 
 
 def timed(fn) -> float:
@@ -32,10 +33,10 @@ def main() -> None:
             for t in (0.0, 0.7):
                 run = dict(max_new_tokens=NEW_TOKENS, temperature=t, seed=i, stop_tokens=[])
                 rates.setdefault(f"minispec target-only T={t}", []).append(
-                    timed(lambda run=run: len(target.generate(ids, **run))))
+                    timed(lambda ids=ids, run=run: len(target.generate(ids, **run))))
                 for name, d in drafts.items():
                     rates.setdefault(f"minispec speculate {name} k=auto T={t}", []).append(
-                        timed(lambda d=d, run=run: len(target.speculate(d, ids, k="auto", **run).tokens)))
+                        timed(lambda d=d, ids=ids, run=run: len(target.speculate(d, ids, k="auto", **run).tokens)))
                 for name, draft in (("plain", None), ("speculative", DRAFT_GGUF)):
                     n, _, s = llama_one(bin_dir, 2, t, TARGET_GGUF, draft, text, i, NEW_TOKENS)
                     rates.setdefault(f"llama.cpp {name} T={t}", []).append(n / s)
