@@ -68,6 +68,8 @@ from .speculative import SAMPLERS, ExactSampler, residual
 class Control(ExactSampler):
     """A negative control: ExactSampler with one step broken."""
 
+    trees_only = False  # True where the broken step is one only a tree round takes
+
     def silent(self, draft, params: SamplingParams) -> list[str]:
         """Why this control cannot show with this draft and these settings (a test then says nothing about it)."""
         return []
@@ -190,5 +192,5 @@ def register(*samplers: ExactSampler) -> None:
 register(NoResidual(), AlwaysAccept(), UnprocessedQ(), GreedyDraft(), TargetAtT1(), ResidualDraftedOnly(), ArgMax(),
          OneHotQ(), TreeIndependent())
 # the names, in that order: CONTROLS break chain rounds (what the harness drives), TREE_CONTROLS tree rounds only
-CONTROLS = tuple(n for n, s in SAMPLERS.items() if isinstance(s, Control) and not getattr(s, "trees_only", False))
-TREE_CONTROLS = tuple(n for n, s in SAMPLERS.items() if getattr(s, "trees_only", False))
+CONTROLS = tuple(n for n, s in SAMPLERS.items() if isinstance(s, Control) and not s.trees_only)
+TREE_CONTROLS = tuple(n for n, s in SAMPLERS.items() if isinstance(s, Control) and s.trees_only)
