@@ -125,6 +125,10 @@ class AdaptiveK:
             unit = max(self.verify_cost(0), 1e-12)  # a clock too coarse to see a step must not divide by 0
             k = best_k(self.acceptance, self.draft_step_s / unit, self.k_max,
                        [self.verify_cost(j) / unit for j in range(self.k_max + 1)])
+        return self._gate(k)
+
+    def _gate(self, k: int) -> int:
+        """The k chosen, except that while plain decoding (k = 0) is chosen a one-draft probe comes on schedule."""
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds < self.probe_gap:
@@ -177,20 +181,22 @@ def fixed_cost_ratio(target, draft) -> float:
 _AUTO_K: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def auto_k(target, draft, params: SamplingParams, batch_size: int, sampler: str = "exact") -> AdaptiveK:
+def auto_k(target, draft, params: SamplingParams, batch_size: int, sampler: str = "exact",
+           make: Callable[[], AdaptiveK] = AdaptiveK) -> AdaptiveK:
     """The AdaptiveK that k="auto" uses for this target, draft, sampling settings and batch size.
 
     Acceptance depends on the pair and the sampling settings, the step costs on the pair, the batch size
     and the machine; none on the prompt or the seed. A negative control (`sampler`) keeps estimates of its
-    own. Pass k=AdaptiveK() to speculate for an estimator of your own.
+    own. Pass k=AdaptiveK() to speculate for an estimator of your own. `make`: the estimator's class
+    (tree="auto" keeps a tree.AdaptiveTree apart from k="auto"'s).
     """
     if isinstance(draft, str):
         ref, draft_key = (lambda d=draft: d), draft
     else:
         ref, draft_key = weakref.ref(draft), id(draft)
-    key = (draft_key, params.temperature, params.top_k, params.top_p, batch_size, sampler)
+    key = (draft_key, params.temperature, params.top_k, params.top_p, batch_size, sampler, make)
     table = _AUTO_K.setdefault(target, {})
     entry = table.get(key)
     if entry is None or entry[0]() is not draft:  # new, or an id reused by another object
-        entry = table[key] = (ref, AdaptiveK())
+        entry = table[key] = (ref, make())
     return entry[1]

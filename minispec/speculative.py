@@ -9,6 +9,7 @@ One round's six steps, and why the output has the target's law: docs/design.md.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from .errors import (
 )
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
-from .tree import check_tree, check_tree_proposal, depths, fitting, tree_size
+from .tree import AdaptiveTree, check_tree, check_tree_proposal, depths, fitting, tree_size
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -225,6 +226,7 @@ class SpeculativeStats:
     draft_time_s: float = 0.0  # wall time spent drafting
     verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
     k_chosen: list[int] = field(default_factory=list)  # each round's k (with k="auto": the one chosen)
+    tree_chosen: list[tuple[int, ...]] = field(default_factory=list)  # with a tree: each round's shape (() plain)
 
     @property
     def acceptance_rate(self) -> float:
@@ -252,6 +254,7 @@ class SpeculativeStats:
             _add_counts(out.position_drafted, st.position_drafted)
             _add_counts(out.position_accepted, st.position_accepted)
             out.k_chosen += st.k_chosen
+            out.tree_chosen += st.tree_chosen
         return out
 
     def _count(self, n_drafted: int, n_accepted: int) -> None:
@@ -417,7 +420,7 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
               stop_tokens=None, on_tokens: OnTokens | None = None, block_size: int = 16,
               sampler: str | ExactSampler = "exact", keep_caches: bool = False,
-              tree: tuple[int, ...] | None = None) -> SpeculativeResult:
+              tree: tuple[int, ...] | str | AdaptiveTree | None = None) -> SpeculativeResult:
     """Generate with `target`, `draft` proposing up to k tokens per round (or a tree); exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
@@ -429,7 +432,9 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
       the same tokens; or an AdaptiveK of your own. Default 4 (without a tree).
     tree: instead of k, a token tree per round: (b_1, ..., b_d) gives every node at depth i - 1 up to b_i children,
       drawn by the draft without replacement (greedy: its top b_i), all scored in one target pass and walked by
-      tree_verify (docs/design.md, "A tree round"). A model draft only.
+      tree_verify (docs/design.md, "A tree round"). A model draft only. "auto": each round a chain or a tree
+      of tree.AUTO_SHAPES (or plain decoding), picked from the running acceptance and the measured step costs
+      (tree.AdaptiveTree, carried over between calls as k="auto"'s estimates are); or an AdaptiveTree of your own.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
       minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
     sampler: "exact", or the name of a deliberately broken negative control (minispec.controls describes
@@ -446,7 +451,8 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     if tree is not None:
         if k is not _K_UNSET:
             raise GenerationError("give k (a chain of drafts) or tree (a tree of them), not both")
-        tree, k = check_tree(tree), None
+        tree = tree if tree == "auto" or isinstance(tree, AdaptiveTree) else check_tree(tree)
+        k = None
     elif k is _K_UNSET:
         k = 4
     chain_k = k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)
@@ -457,6 +463,14 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     drafter = make_drafter(target, draft, policy.draw)
     batch, single = normalize_prompts(target, prompts)
     adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
+    auto_tree = tree if isinstance(tree, AdaptiveTree) else None  # tree="auto" and its like: a shape per round
+    if auto_tree is not None or tree == "auto":
+        if type(drafter).propose_tree is Drafter.propose_tree:  # refused now, not at the first tree it picks
+            raise GenerationError(f"tree='auto' needs a drafter that drafts trees (a model draft); "
+                                  f"{type(drafter).__name__} drafts chains only")
+        if auto_tree is None:
+            auto_tree = auto_k(target, draft, params, len(batch), policy.name, make=AdaptiveTree)
+        adaptive, tree = auto_tree, None  # _Run gets each round's shape; a chain's runs as a chain round
     if k == "auto":
         adaptive = auto_k(target, draft, params, len(batch), policy.name)
     elif k == AUTO_FIXED:  # nothing measured or carried over: the same call gives the same k's, so the same tokens
@@ -470,18 +484,27 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     run = _Run(target, drafter, policy, params, batch, budgets, active, seed, stops, on_tokens, block_size,
                keep_caches, stats, tree)
     while run.active:
-        kr = adaptive.choose() if adaptive else k if tree is None else len(tree)
+        if auto_tree is not None:
+            shape = auto_tree.choose_tree()
+            run.tree, kr = (shape if any(b > 1 for b in shape) else None), len(shape)
+        else:
+            kr = adaptive.choose() if adaptive else k if tree is None else len(tree)
         t0 = time.perf_counter()
         prop = run.propose(kr)
         t1 = time.perf_counter()
         verdict = run.verify(prop)
         run.commit(prop, verdict)
         t2 = time.perf_counter()
-        if adaptive is not None:  # a call's first round also prefills both models: its outcome counts, its times not
+        if auto_tree is not None and prop.parents is not None:  # as below: the first round's times do not count
+            widths = [math.prod(run.tree[:i]) for i in range(drafter.steps)] if stats.rounds else None
+            auto_tree.update_tree(prop.parents, verdict.paths, t1 - t0, widths, (t2 - t1) if stats.rounds else None)
+        elif adaptive is not None:  # a call's first round also prefills both models: its outcome counts, its times not
             adaptive.update([len(d) for d in prop.drafts], verdict.accepted, t1 - t0,
                             drafter.steps * (stats.rounds > 0), (t2 - t1) if stats.rounds else None)
         stats.rounds += 1
         stats.k_chosen.append(kr)
+        if tree is not None or auto_tree is not None:
+            stats.tree_chosen.append(tree if auto_tree is None else shape)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
     caches = (run.tgt, getattr(drafter, "rows", None)) if keep_caches else None

@@ -11,9 +11,11 @@ round: docs/design.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+from .adaptive import AdaptiveK, tree_round_cost
 from .errors import GenerationError, is_int, show
 from .sampling import sample_rows
 
@@ -38,8 +40,8 @@ def check_tree(tree) -> tuple[int, ...]:
     """speculate's `tree`: a non-empty sequence of children counts >= 1, at most MAX_TREE_NODES nodes in all."""
     shape = tuple(tree) if isinstance(tree, (list, tuple)) else None
     if not shape or not all(is_int(b) and b >= 1 for b in shape):
-        raise GenerationError(f"tree must be a tuple of children counts per depth (b_1, ..., b_d), each an integer "
-                              f">= 1, got {show(tree)}")
+        raise GenerationError(f"tree must be 'auto' or a tuple of children counts per depth (b_1, ..., b_d), each an "
+                              f"integer >= 1, got {show(tree)}")
     shape = tuple(int(b) for b in shape)
     if tree_size(shape) > MAX_TREE_NODES:
         raise GenerationError(f"tree {shape} has {tree_size(shape)} nodes, more than {MAX_TREE_NODES}")
@@ -95,3 +97,98 @@ def top_children(logits: torch.Tensor, b: int) -> list[int]:
     """A greedy tree's children of one node: the b most likely tokens of logits (V,) (fewer if fewer are finite)."""
     values, ids = logits.float().topk(min(b, logits.shape[-1]))
     return [int(t) for t, v in zip(ids, values) if v > float("-inf")]
+
+
+# ---- tree="auto": a shape chosen each round from measured costs, as k="auto" chooses k
+
+# The shapes tree="auto" chooses among: the chains of 1 to 8 drafts and a few trees of at most 16 nodes (wide
+# first levels, where the branching pays most, narrowing with depth). () is plain decoding.
+AUTO_SHAPES: tuple[tuple[int, ...], ...] = (
+    *((1,) * k for k in range(1, 9)),
+    (2,), (3,), (4,), (2, 1), (2, 2), (3, 1), (3, 2), (4, 2), (2, 1, 1), (2, 2, 1), (3, 1, 1), (4, 1, 1), (2, 2, 2),
+    (3, 2, 1), (2, 1, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1), (2, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1),
+)
+
+
+def expected_tree_tokens(a: float, shape: tuple[int, ...]) -> float:
+    """Tokens one round of this shape commits when every child the walk tests is accepted with probability a,
+    independently: the walk leaves a node at depth i - 1 with probability s_i = 1 - (1 - a)^b_i (some child of
+    its b_i accepted), so 1 + s_1 + s_1 s_2 + ... + s_1 ... s_d. A chain is adaptive.expected_tokens. An
+    approximation: a later sibling is tested against a residual, so its acceptance is not the first's."""
+    total, reach = 1.0, 1.0
+    for b in shape:
+        reach *= 1.0 - (1.0 - a) ** b
+        total += reach
+    return total
+
+
+def best_tree(a: float, draft_pass: Callable[[int], float], verify: Callable[[int], float],
+              shapes=AUTO_SHAPES) -> tuple[int, ...]:
+    """The shape with the most tokens per unit of time: expected_tree_tokens(a, shape) / tree_round_cost(shape,
+    draft_pass, verify(tree_size(shape))), over `shapes` and () (plain decoding: verify(0)).
+
+    draft_pass(w): a draft pass over w tokens; verify(n): the target's pass over n drafts (n + 1 rows); both in
+    one unit (a plain decode step). Ties go to the fewer nodes."""
+    def rate(shape):
+        return expected_tree_tokens(a, shape) / tree_round_cost(shape, draft_pass, verify(tree_size(shape)))
+    return max(((), *shapes), key=lambda sh: (rate(sh), -tree_size(sh)))
+
+
+def tested_children(parents: list[int], path: list[int]) -> int:
+    """The children a tree round's walk tested, from the nodes' parents and the accepted path: at each node of the
+    path its rank among its siblings (every earlier sibling was rejected), and at the node where the walk stopped,
+    all its children (all rejected; none at a leaf). A chain: the accepted drafts, plus one if one was rejected."""
+    children: dict[int, list[int]] = {}
+    for j, par in enumerate(parents):
+        children.setdefault(par, []).append(j)
+    tested, node = 0, -1
+    for j in path:
+        tested += children[node].index(j) + 1
+        node = j
+    return tested + len(children.get(node, []))
+
+
+class AdaptiveTree(AdaptiveK):
+    """tree="auto": each round's shape from running estimates of the per-child acceptance and of the step costs.
+
+    The acceptance a is the share of the children tested that were accepted (tested_children): a chain round
+    counts as AdaptiveK counts it. Costs: AdaptiveK's, the verify pass keyed by its drafts (a tree's nodes), with
+    a draft pass over w tokens priced as one token's times the target's measured verify(w - 1) / verify(0): both
+    are the same kind of forward pass on the same machine, and a draft pass's width is not measured alone (a
+    round times all its passes together). best_tree picks the shape; plain decoding and its probes as AdaptiveK.
+    Exactness does not depend on any of this: a round's shape is fixed before its drafts are drawn.
+    """
+
+    def __init__(self, shapes=AUTO_SHAPES, start: tuple[int, ...] = (2, 2), **kw):
+        super().__init__(k_max=max(map(len, shapes)), **kw)
+        self.shapes, self.start = tuple(tuple(sh) for sh in shapes), tuple(start)
+
+    def _width(self, w: int) -> float:
+        """A pass over w tokens relative to one, from the verify costs measured."""
+        return self.verify_cost(w - 1) / max(self.verify_cost(0), 1e-12)
+
+    def choose_tree(self) -> tuple[int, ...]:
+        """This round's shape (() = a plain decode step, (1,) a probe)."""
+        if self.successes + self.failures == 0 or self.draft_step_s is None or not self.verify_s:
+            return self.start  # nothing measured yet
+        unit = max(self.verify_cost(0), 1e-12)  # a clock too coarse to see a step must not divide by 0
+        c = self.draft_step_s / unit
+        shape = best_tree(self.acceptance, lambda w: c * self._width(w), lambda n: self.verify_cost(n) / unit,
+                          self.shapes)
+        return shape or (1,) * self._gate(0)  # plain decoding, or on schedule a one-draft probe
+
+    def update_tree(self, parents: list[list[int]], paths: list[list[int]], draft_s: float,
+                    widths: list[int] | None, verify_s: float | None) -> None:
+        """One tree round's outcome: per sequence its nodes' parents and accepted path; wall times of drafting (over
+        passes of these widths; None: not timed) and of verifying (None: not timed)."""
+        d = self.decay
+        accepted = sum(map(len, paths))
+        self.successes = d * self.successes + accepted
+        self.failures = d * self.failures + sum(tested_children(par, path) for par, path in zip(parents, paths)) \
+            - accepted
+        if widths and self.verify_s:  # a pass's width is priced from the verify costs, so those come first
+            step = draft_s / sum(self._width(w) for w in widths)
+            self.draft_step_s = step if self.draft_step_s is None else d * self.draft_step_s + (1 - d) * step
+        if verify_s is not None:
+            n = max(map(len, parents), default=0)
+            self.verify_s[n] = verify_s if n not in self.verify_s else d * self.verify_s[n] + (1 - d) * verify_s

@@ -324,3 +324,112 @@ def test_the_context_window_cuts_the_tree(models):
     # (3, 3, 2) has 30 nodes, more than the window holds: shallower trees as the context grows
     for draft in (target, truncated(target, max_seq_len=12), truncated(target, max_seq_len=4)):
         assert target.speculate(draft, prompt, tree=(3, 3, 2), max_new_tokens=50, stop_tokens=[]).tokens == want
+
+
+# ---- tree="auto": the cost model and the estimator
+
+
+def test_expected_tree_tokens():
+    from minispec.adaptive import expected_tokens
+    from minispec.tree import expected_tree_tokens
+    for a in (0.0, 0.3, 0.9, 1.0):
+        for k in (1, 4):
+            assert expected_tree_tokens(a, (1,) * k) == pytest.approx(expected_tokens(a, k))
+    # (2, 2) at a = 0.5: each level is left with probability 1 - 0.5^2 = 0.75
+    assert expected_tree_tokens(0.5, (2, 2)) == pytest.approx(1 + 0.75 + 0.75 ** 2)
+    assert expected_tree_tokens(0.5, ()) == 1.0
+
+
+def is_chain(shape):
+    return len(shape) > 0 and all(b == 1 for b in shape)
+
+
+@pytest.mark.parametrize("a", [0.4, 0.6, 0.8])
+def test_best_tree_is_a_chain_when_rows_cost_and_a_tree_when_they_are_free(a):
+    from minispec.tree import AUTO_SHAPES, best_tree
+    c = 0.05  # a draft pass over one token, in target decode steps
+    free = best_tree(a, lambda w: c, lambda n: 1.0)  # a pass costs the same whatever its width
+    assert not is_chain(free) and free in AUTO_SHAPES, free
+    dear = best_tree(a, lambda w: c * (1 + 0.3 * (w - 1)), lambda n: 1.0 + 0.3 * n)  # every row 0.3 of a step
+    assert is_chain(dear), dear
+    # a draft as costly as the target: plain decoding
+    assert best_tree(a, lambda w: 1.0 * w, lambda n: 1.0 + n) == ()
+
+
+def test_tested_children():
+    from minispec.tree import tested_children
+    parents = [-1, -1, 0, 0, 1]  # the root's children 0 and 1; 0's are 2 and 3, 1's is 4
+    assert tested_children(parents, []) == 2  # both of the root's children rejected
+    assert tested_children(parents, [1]) == 2 + 1  # 0 rejected, 1 accepted; then 4 rejected
+    assert tested_children(parents, [0, 3]) == 1 + 2  # 3, a leaf, accepted after 2
+    assert tested_children(parents, [1, 4]) == 2 + 1
+    chain = [-1, 0, 1]
+    assert [tested_children(chain, list(range(n))) for n in range(4)] == [1, 2, 3, 3]  # AdaptiveK's count
+
+
+def estimator(acceptance, verify_s, draft_step_s=0.05):
+    from minispec.tree import AdaptiveTree
+    est = AdaptiveTree()
+    est.successes, est.failures = 10 * acceptance, 10 * (1 - acceptance)
+    est.draft_step_s, est.verify_s = draft_step_s, dict(verify_s)
+    return est
+
+
+def test_adaptive_tree_follows_the_measured_costs():
+    flat = estimator(0.6, {0: 1.0, 4: 1.0, 14: 1.0})
+    assert not is_chain(flat.choose_tree())
+    steep = estimator(0.6, {0: 1.0, 4: 2.2})  # 0.3 a row, continued past 4 drafts
+    assert is_chain(steep.choose_tree())
+    plain = estimator(0.6, {0: 1.0, 1: 2.0}, draft_step_s=1.0)
+    assert [plain.choose_tree() for _ in range(8)] == [()] * 7 + [(1,)]  # plain decoding, then a probe
+
+
+def test_adaptive_tree_counts_a_round():
+    est = estimator(0.5, {0: 1.0, 2: 1.0, 6: 1.0})
+    est.successes = est.failures = 0.0
+    parents = [-1, -1, 0, 0, 1, 1]
+    est.update_tree([parents, parents], [[1, 4], []], draft_s=0.3, widths=[1, 2], verify_s=1.5)
+    assert (est.successes, est.failures) == (2.0, 1.0 + 2.0)  # row 0: 0 rejected, 1 and 4 accepted; row 1: both out
+    assert est.verify_s[6] == pytest.approx(0.97 * 1.0 + 0.03 * 1.5)
+    # a pass over two tokens is priced as one (verify flat): 0.3 s over two passes
+    assert est.draft_step_s == pytest.approx(0.97 * 0.05 + 0.03 * 0.15)
+
+
+class Cycle:
+    """An AdaptiveTree that takes its shapes from a list, round after round (plain, chains, trees mixed)."""
+
+    def __new__(cls, shapes):
+        from minispec.tree import AdaptiveTree
+
+        class Cycling(AdaptiveTree):
+            def choose_tree(self):
+                self.i = getattr(self, "i", -1) + 1
+                return shapes[self.i % len(shapes)]
+        return Cycling()
+
+
+MIXED = [(), (1, 1), (2, 2), (1,), (3, 1), (2, 1, 1)]
+
+
+def test_greedy_tree_auto_equals_generate(models):
+    target = models["target"]
+    for prompt in ([3], [1, 2, 3, 4, 5]):
+        want = target.generate(prompt, max_new_tokens=30, stop_tokens=[])
+        auto = target.speculate(models["truncated"], prompt, tree="auto", max_new_tokens=30, stop_tokens=[])
+        assert auto.tokens == want and auto.stats.tree_chosen
+        mixed = target.speculate(models["truncated"], prompt, tree=Cycle(MIXED), max_new_tokens=30, stop_tokens=[],
+                                 keep_caches=True)
+        assert mixed.tokens == want and mixed.stats.tree_chosen == (MIXED * 30)[:len(mixed.stats.tree_chosen)]
+        for rows in mixed.caches:
+            rows.cache.check_consistency()
+            assert not rows.cache.parents
+
+
+def test_tree_auto_errors(models):
+    target = models["target"]
+    with pytest.raises(GenerationError, match="drafts chains only"):
+        target.speculate("prompt-lookup", [1, 2, 1, 2], tree="auto")
+    with pytest.raises(GenerationError, match="not both"):
+        target.speculate(models["small"], [1, 2], k="auto", tree="auto")
+    with pytest.raises(GenerationError, match="tree must be 'auto' or"):
+        target.speculate(models["small"], [1, 2], tree="automatic")

@@ -77,3 +77,14 @@ def test_tree_independent_is_rejected(models, draft, tree):
     p_broken, _ = run(models, draft, tree, 1.0, sampler="tree-independent")
     assert p_exact > 1e-4, f"the exact sampler fails these settings: p = {p_exact:.3g}"
     assert p_broken < 1e-6, f"the test cannot tell tree-independent from exact: p = {p_broken:.3g}"
+
+
+def test_rounds_of_mixed_shapes_are_exact(models):
+    """tree="auto" changes the shape from round to round (plain decoding, chains, trees): a run cycling through such
+    shapes is exact too, since each round's shape is fixed before its drafts are drawn."""
+    from test_tree import Cycle
+
+    mixed = [(), (1, 1), (3, 1), (2, 2)]  # a round commits at least a token: every row sees the first three
+    p, stats = run(models, "truncated", Cycle(mixed), 1.0, top_k=5, n_new=4)
+    assert set(stats.tree_chosen) == set(mixed) and stats.accepted > 0
+    assert p > 1e-4, f"mixed shapes: speculate's distribution differs from the target's: chi-square p = {p:.3g}"
