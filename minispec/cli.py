@@ -46,6 +46,7 @@ from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_dev
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
 from .threads import fixed_threads
+from .tree import check_tree
 
 
 class CLIError(RuntimeError):
@@ -104,6 +105,22 @@ def generate_k_argument(s: str) -> int | str:
     return AUTO_FIXED if s == AUTO_FIXED else k_argument(s)
 
 
+def tree_argument(s: str) -> tuple[int, ...] | str:
+    """--tree: "auto", or the children per depth as comma-separated integers ("2,2,2"), checked as speculate checks
+    them."""
+    if s == "auto":
+        return s
+    try:
+        return check_tree(tuple(_int_at_least(1)(b) for b in s.split(",")))
+    except (argparse.ArgumentTypeError, GenerationError) as e:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a tree (children per depth, e.g. 2,2,2, or auto): "
+                                         f"{one_line(e)}") from None
+
+
+def _tree_text(tree) -> str:
+    return tree if isinstance(tree, str) else ",".join(map(str, tree))
+
+
 def _draft(s: str) -> str:
     return s if s == PROMPT_LOOKUP else _checkpoint_dir(s)
 
@@ -138,11 +155,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_checkpoint_dir, metavar="DIR", help="the target checkpoint")
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="speculative decoding with this draft checkpoint, or with prompt lookup (n-gram drafts)")
-    p.add_argument("--k", type=generate_k_argument, default="auto",
+    p.add_argument("--k", type=generate_k_argument, default=None,
                    help="draft tokens proposed per round, or 'auto' (the default): chosen each round from the "
                         "measured acceptance rate and step costs, plain decoding when speculation would not pay; "
                         f"or '{AUTO_FIXED}': chosen from the acceptance rate with fixed step costs (the configs' "
                         "sizes), so that --seed fixes the tokens")
+    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|auto",
+                   help="instead of --k, a token tree per round: every node at depth i-1 gets B_i children (e.g. "
+                        "2,2,2: 14 drafts scored in one pass), a model draft only; 'auto' picks a chain or a tree "
+                        "each round from the measured acceptance and step costs")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the checkpoint's chat template")
@@ -176,6 +197,12 @@ def load_draft(path: str, device, target: Transformer, dtype: str | None = None)
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream the continuation to stdout; the tokens/s (and speculation) summary goes to stderr."""
+    if args.tree is not None and args.k is not None:
+        raise UsageError("give --k (a chain of drafts) or --tree (a tree of them), not both")
+    if args.tree is not None and args.draft in (None, PROMPT_LOOKUP):
+        raise UsageError("--tree needs a model draft (--draft DIR): prompt lookup and plain decoding draft no tree")
+    if args.tree is None and args.k is None:
+        args.k = "auto"
     device = _device(args.device)
     target = load_target(args.target, device, args.dtype)
     tok = target.tokenizer
@@ -206,7 +233,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if draft is None:
         new, stats = target.generate(ids, **sampling), None
     else:
-        res = target.speculate(draft, ids, k=args.k, stop_tokens=None, **sampling)
+        how = {"k": args.k} if args.tree is None else {"tree": args.tree}
+        res = target.speculate(draft, ids, stop_tokens=None, **how, **sampling)
         new, stats = res.tokens, res.stats
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -218,7 +246,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats is not None:
         mean_k = sum(stats.k_chosen) / max(len(stats.k_chosen), 1)
         k = args.k if isinstance(args.k, int) else f"{args.k} (mean {mean_k:.1f})"
-        summary += (f"; speculation k={k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
+        if args.tree is not None:
+            shapes = [sh for sh in stats.tree_chosen if sh]
+            most = max(set(shapes), key=shapes.count, default=None)
+            k = f"tree={_tree_text(args.tree)}" + (f" (most chosen {_tree_text(most) if most else 'plain'})"
+                                                   if args.tree == "auto" else "")
+        else:
+            k = f"k={k}"
+        summary += (f"; speculation {k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
                     f"{stats.mean_accepted:.2f} tokens per round")
     print(summary, file=sys.stderr)
     return 0
@@ -329,6 +364,9 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=k_argument, metavar="K",
                    help=f"draft tokens per round, or 'auto' (default {d['k']}); for transformers-assisted, the "
                         "assistant's num_assistant_tokens ('auto': transformers' own schedule)")
+    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|auto",
+                   help="--engine minispec: instead of --k, a token tree per round (children per depth, e.g. 2,2,2), "
+                        "or 'auto' (a chain or a tree chosen each round from measured costs)")
     p.add_argument("--seed", type=_int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
@@ -371,10 +409,20 @@ def _check_equivalence_options(args) -> None:
                   if v is not None]
         if args.engine != "minispec":
             given.append("--engine")
+        if args.tree is not None:
+            given.append("--tree")
         if given:
             raise UsageError(f"{', '.join(given)} do(es) not apply with --samples-file: the file's first line states "
                              "the settings and its samples are already drawn")
         return
+    if args.tree is not None:
+        if args.engine != "minispec":
+            raise UsageError(f"--tree is minispec's token tree (--engine minispec); --engine {args.engine} drafts "
+                             "chains")
+        if args.k is not None:
+            raise UsageError("give --k (a chain of drafts) or --tree (a tree of them), not both")
+        if args.draft == PROMPT_LOOKUP:
+            raise UsageError("--tree needs a model draft (--draft DIR): prompt lookup drafts no tree")
     for name in SAMPLING_OPTIONS:
         if getattr(args, name) is None:
             setattr(args, name, DEFAULTS[name])
@@ -623,7 +671,8 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
     else:
         prompts = _prompt_ids(args) if args.prompt_ids else _encode_prompts(args, texts, target)
         sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
-                        top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine)
+                        top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine,
+                        **({} if args.tree is None else {"tree": args.tree}))
         if args.engine in REMOTE_KINDS:
             check_window(target, prompts, args.tokens)
             report = audit_samples(target, _remote_audit(args, target, prompts)[0].samples, **test)

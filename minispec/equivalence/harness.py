@@ -24,7 +24,8 @@ from ..controls import Control
 from ..drafters import make_drafter
 from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
-from ..speculative import get_sampler
+from ..speculative import ExactSampler, get_sampler
+from ..tree import check_tree
 from .engines import ENGINES, TransformersEngine
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
 from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
@@ -108,24 +109,26 @@ def _chunked(counts: list[int], batch_size: int):
 
 
 def _minispec_chunks(target, draft, prompts, counts, T, params: SamplingParams, k, sampler, seed, batch_size,
-                     stats: dict, bar):
+                     stats: dict, bar, tree=None):
     """Samples from minispec in chunks of batch_size: speculate(draft, ...), or generate when draft is None (the
     target-only calibration). Sample g of the run (prompt-major) uses seed + g whatever the chunking."""
     try:
-        yield from _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar)
+        yield from _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar,
+                                   tree)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar):
+def _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar, tree=None):
     for j, g, b in _chunked(counts, batch_size):
         kw = dict(max_new_tokens=T, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                   seed=seed + g, stop_tokens=[])
         if draft is None:
             tokens = target.generate([prompts[j]] * b, **kw)
         else:
-            r = target.speculate(draft, [prompts[j]] * b, k=k, sampler=sampler, **kw)
+            r = target.speculate(draft, [prompts[j]] * b, sampler=sampler, **({"k": k} if tree is None else
+                                                                                  {"tree": tree}), **kw)
             tokens = r.tokens
             for name in ("drafted", "accepted", "committed", "sequence_rounds"):
                 stats[name] = stats.get(name, 0) + getattr(r.stats, name)
@@ -382,13 +385,18 @@ def _check_draft(target, draft, engine: str, hf_dirs: dict | None) -> None:
     make_drafter(target, draft)  # speculate's check of the draft: its kind, its vocabulary and tokenizer
 
 
-def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler, engine, hf_dirs):
-    """Validate the sampling side before any sampling; returns (SamplingParams, prompt batch)."""
+def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler, engine, hf_dirs,
+                  tree=None):
+    """Validate the sampling side before any sampling; returns (SamplingParams, prompt batch, tree)."""
     try:
         get_sampler(sampler)
         check_int("samples", samples, MIN_SAMPLES)
         check_int("tokens", tokens, 1)
-        if k != "auto" and not isinstance(k, AdaptiveK):
+        if tree is not None:
+            if engine != "minispec":
+                raise ValueError(f"tree is minispec's token tree; engine {engine} drafts chains")
+            tree = tree if tree == "auto" else check_tree(tree)
+        elif k != "auto" and not isinstance(k, AdaptiveK):
             check_int("k", k, 1)
         params = SamplingParams(temperature, top_k, top_p)
         _check_draft(target, draft, engine, hf_dirs)
@@ -396,7 +404,7 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
     except ValueError as e:  # the checks above already say what to do
         raise EquivalenceInputError(str(e)) from None
     check_window(target, batch, tokens)
-    return params, batch
+    return params, batch, tree
 
 
 def check_window(target, prompts: list[list[int]], tokens: int) -> None:
@@ -426,7 +434,8 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                     sampler: str = "exact", alpha: float = DEFAULTS["alpha"], bins: int = DEFAULTS["bins"],
                     orders=ORDERS, reference: bool = True, batch_size: int = DEFAULTS["batch_size"],
                     progress: bool = False, names: dict | None = None, engine: str = "minispec",
-                    hf_dirs: dict | None = None, power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
+                    hf_dirs: dict | None = None, power_runs: int = DEFAULTS["power_runs"],
+                    tree: tuple[int, ...] | str | None = None) -> EquivalenceReport:
     """Test that an engine's speculative (or plain) samples follow the target's distribution.
 
     target: a Transformer (it scores every sample); draft: what speculate drafts with (a Transformer sharing its
@@ -443,11 +452,12 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     reference: also test target-only samples (the calibration reference).
     batch_size: samples per sampling call, and per early-stop look. power_runs: simulated runs per eps for the
     power figure (0: no power figure). names: labels for target/draft in the report.
+    tree: engine "minispec" only: speculate with this token tree (b_1, ..., b_d) or "auto" instead of k.
     Temperature 0 checks token-for-token equality with target greedy decoding instead of the PIT.
     Raises EquivalenceInputError (a ValueError) on bad input, before any sampling.
     """
-    params, batch = _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler,
-                                  engine, hf_dirs)
+    params, batch, tree = _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p,
+                                        sampler, engine, hf_dirs, tree)
     orders = _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs)
     names = names or {}
     settings = {"target": names.get("target", "(model)"), "engine": engine, "seed": seed}
@@ -459,13 +469,17 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     bar = _progress_bar(sum(counts), "speculative" if engine == "minispec" else engine, progress and not params.greedy)
     if engine == "minispec":
         draft_name = names.get("draft", draft if isinstance(draft, str) else "(model)")
-        k_name = k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
+        k_name = None if tree is not None else k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
+        tree_name = None if tree is None else tree if isinstance(tree, str) else list(tree)
+        how = f"k={k_name}" if tree is None else f"tree={tree if isinstance(tree, str) else ','.join(map(str, tree))}"
         settings.update(engine_version=__version__, draft=draft_name, k=k_name, sampler=sampler,
-                        under_test=f"speculative (sampler={sampler}, draft={draft_name}, k={k_name})")
+                        under_test=f"speculative (sampler={sampler}, draft={draft_name}, {how})")
         file_settings.update(sampler=sampler, draft=draft_name, k=k_name, seed=seed)
-        notes += _control_notes(sampler, draft, params)
+        if tree is not None:
+            settings["tree"] = file_settings["tree"] = tree_name
+        notes += _control_notes(sampler, draft, params, tree)
         chunks = _minispec_chunks(target, draft, batch, counts, tokens, params, k, sampler, seed, batch_size, stats,
-                                  bar)
+                                  bar, tree)
     else:
         eng = TransformersEngine(engine, hf_dirs, target, batch[0], params, tokens, k)
         assisted = eng.info.get("assistant")
@@ -537,10 +551,19 @@ def _engine_notes(settings: dict) -> list[str]:
     return []
 
 
-def _control_notes(sampler: str, draft, params: SamplingParams) -> list[str]:
+def _control_notes(sampler: str, draft, params: SamplingParams, tree=None) -> list[str]:
     """Settings under which a negative control cannot show (the test then says nothing about it)."""
     policy = get_sampler(sampler)
-    return policy.silent(draft, params) if isinstance(policy, Control) else []
+    if not isinstance(policy, Control):
+        return []
+    if tree is None and policy.trees_only:
+        return [f"{sampler} breaks a tree round only: with k (a chain) it is the exact sampler; give a tree"]
+    # a tree round takes the sampler's target_probs and tree_verify steps only (its drafts: tree.draw_children)
+    cls, exact = type(policy), ExactSampler
+    if tree is not None and cls.target_probs is exact.target_probs and cls.tree_verify is exact.tree_verify:
+        return [f"{sampler} breaks a step of a chain round that a tree round does not take: with a tree it is the "
+                "exact sampler"]
+    return policy.silent(draft, params)
 
 
 def _verdict(target, chunks, prompts, counts, params: SamplingParams, T: int, settings: dict, file_settings: dict,
