@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import kernels
+from . import ggml, kernels
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
@@ -348,7 +348,7 @@ class Transformer(nn.Module):
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
         kind = (self.config.dim, self.config.n_layers, self.config.int4, self.norm.same_rows, len(seqs), T)
-        with tuned(kind, self.device), kernels.resolved():
+        with tuned(kind, self.device) as n, kernels.resolved(), ggml.threads_for(self, n):
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:
                 return h

@@ -51,10 +51,11 @@ def test_ggml_reads_the_file_values_gguf_reads(kind):
 
 @needs_library
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_product_within_the_activation_rounding_of_the_float_product(kind):
+@pytest.mark.parametrize("repack", [True, False])
+def test_product_within_the_activation_rounding_of_the_float_product(kind, repack):
     n, k = 40, 1024
     raw = blocks(kind, n, k, 2)
-    w = ggml.GgmlWeight(kind, torch.from_numpy(raw), k)
+    w = ggml.GgmlWeight(kind, torch.from_numpy(raw), k, repack=repack)
     exact = values(raw, kind, n, k).double()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     got, want = w(x).double(), x.double() @ exact.T
@@ -66,9 +67,10 @@ def test_product_within_the_activation_rounding_of_the_float_product(kind):
 
 @needs_library
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
-def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind):
-    n, k = 136, 768  # an output count no thread split divides evenly
-    w = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k)
+@pytest.mark.parametrize("repack", [True, False])
+def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack):
+    n, k = 136, 768  # an output count no thread split divides evenly (17 tiles of 8 rows)
+    w = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k, repack=repack)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     before = torch.get_num_threads()
     try:
@@ -87,6 +89,26 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind):
     # the negative control: a row computed with other weights differs (the comparison can fail)
     other = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 7)), k)
     assert not torch.equal(other(x[:1]), alone[:1])
+
+
+@needs_library
+def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form():
+    n, k = 64, 512
+    raw = torch.from_numpy(blocks("q4_k", n, k, 10))
+    packed, plain = ggml.GgmlWeight("q4_k", raw, k), ggml.GgmlWeight("q4_k", raw, k, repack=False)
+    assert plain.repacked is None
+    assert (packed.repacked is not None) == bool(ggml._library().ms_repackable(12, n, k))
+    if packed.repacked is None:
+        pytest.skip("no repacked Q4_K product on this CPU (llama.cpp repacks Q4_K for AVX2)")
+    assert not torch.equal(packed.repacked, raw)  # another layout, the same bytes
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
+    a, b = packed(x), plain(x)
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # the same products, summed in another order
+    # the switch off reads the file's blocks, not the repacked ones
+    from minispec import kernels
+    with kernels.plain():
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, values(raw.numpy(), "q4_k", n, k)))
+    assert ggml.GgmlWeight("q4_k", raw[:60], k).repacked is None  # 60 rows: not eight to a tile
 
 
 @needs_library
@@ -115,3 +137,25 @@ def test_the_switch_off_multiplies_the_file_values_plainly():
         got = w(x)
     assert torch.equal(got, torch.nn.functional.linear(x, values(raw, "q4_k", n, k)))
     assert not torch.equal(got, w(x))  # on: the activations rounded to Q8_K, another result
+
+
+@needs_library
+def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one():
+    n, k = 16, 512
+    from minispec.quantized import set_weight
+    layer = torch.nn.Linear(k, n, bias=False)
+    set_weight(layer, ggml.GgmlWeight("q4_k", torch.from_numpy(blocks("q4_k", n, k, 12)), k))
+    model, plain_model = torch.nn.Sequential(layer), torch.nn.Sequential(torch.nn.Linear(k, n))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ggml.threads_for(model, 2):
+            assert torch.get_num_threads() == 1 and ggml._local.threads == 2
+        assert torch.get_num_threads() == 2 and ggml._local.threads is None  # the caller's count set back
+        with ggml.threads_for(plain_model, 2):  # no kept matrix: PyTorch keeps its count
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), ggml.threads_for(model, 2):
+            raise RuntimeError("a failed step")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
