@@ -44,12 +44,19 @@ class Quiet(ThreadingHTTPServer):
 class Stub:
     """A local server in one engine's shape ("vllm", "llama.cpp" or "sglang") sampling the tiny pair; `how` breaks
     it: a control sampler's name, "ignores-seed", "top-k-2" (another top-k than asked), "malformed", "short",
-    "slow", "500", "no-ids", "plain" (no draft: reports 0 drafted)."""
+    "slow", "500", "no-ids", "plain" (no draft: reports 0 drafted).
 
-    def __init__(self, shape: str, how: str = "exact"):
-        self.shape, self.how = shape, how
+    `metrics`: what GET /metrics serves: None (HTTP 404), "vllm" (vLLM's Prometheus text: the spec-decode
+    counters of what was drafted so far, split over two engines, beside another model's and other metrics),
+    "reset" (those counters back at 0 after the first sample, as a restarted server), or a str or bytes served
+    as is.
+    `requests` counts the sampling requests answered."""
+
+    def __init__(self, shape: str, how: str = "exact", metrics: str | None = None):
+        self.shape, self.how, self.metrics = shape, how, metrics
         self.target, self.draft = tiny_pair()
         self.lock = threading.Lock()  # the tiny model is not shared between threads
+        self.requests = self.drafted = self.accepted = 0
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +66,9 @@ class Stub:
             def do_GET(self):
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                elif self.path == "/metrics" and stub.metrics is not None:
+                    text = stub.prometheus()
+                    self._send(200, text if isinstance(text, bytes) else text.encode())
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 
@@ -85,6 +95,26 @@ class Stub:
         self.server.shutdown()
         self.server.server_close()
 
+    def prometheus(self) -> str:
+        """GET /metrics in vLLM's shape (prometheus_client's text: a Counter NAME shown as NAME_total)."""
+        if self.metrics not in ("vllm", "reset"):
+            return self.metrics
+        with self.lock:
+            d, a = (0, 0) if self.metrics == "reset" and self.requests > 1 else (self.drafted, self.accepted)
+        lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                 "# TYPE vllm:num_requests_running gauge",
+                 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+                 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 3.0']
+        for name, total in (("draft", d), ("accepted", a)):
+            lines += [f"# HELP vllm:spec_decode_num_{name}_tokens_total Number of {name} tokens.",
+                      f"# TYPE vllm:spec_decode_num_{name}_tokens_total counter",
+                      f'vllm:spec_decode_num_{name}_tokens_total{{engine="0",model_name="tiny"}} {float(total // 2)}',
+                      f'vllm:spec_decode_num_{name}_tokens_total{{engine="1",model_name="tiny"}} '
+                      f"{float(total - total // 2)}",
+                      f'vllm:spec_decode_num_{name}_tokens_created{{engine="0",model_name="tiny"}} 1.7e+09',
+                      f'vllm:spec_decode_num_{name}_tokens_total{{engine="0",model_name="other"}} 9999.0']
+        return "\n".join(lines) + "\n"
+
     def _sample(self, prompt, n, temperature, top_k, top_p, seed):
         top_k = None if top_k is None or top_k <= 0 else top_k
         top_p = None if top_p is None or top_p >= 1 else top_p
@@ -94,10 +124,13 @@ class Stub:
             seed = 0 if self.how == "ignores-seed" else int(time.monotonic_ns() % 2**31)
         kw = dict(max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=[])
         with self.lock:
+            self.requests += 1
             if self.how == "plain":
                 return self.target.generate(prompt, **kw), 0, 0
             r = self.target.speculate(self.draft, prompt, k=2, sampler=self.how if self.how in SAMPLERS else "exact",
                                       **kw)
+            self.drafted += r.stats.drafted
+            self.accepted += r.stats.accepted
         return r.tokens, r.stats.drafted, r.stats.accepted
 
     def top(self, prompt, n):
@@ -167,8 +200,8 @@ from minispec.speculative import SAMPLERS  # noqa: E402  (registered by minispec
 def stubs():
     made = []
 
-    def make(shape, how="exact"):
-        s = Stub(shape, how)
+    def make(shape, how="exact", metrics=None):
+        s = Stub(shape, how, metrics)
         made.append(s)
         return s
     yield make

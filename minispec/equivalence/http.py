@@ -16,6 +16,7 @@ nor exhaust memory nor raise anything but a one-line `ServerError` naming the se
 - **Interruptible and stoppable**: `Cancel` ends every request it was given at once from another thread (a run
   that failed, or Ctrl-C), and the waits are socket reads that Ctrl-C interrupts in the main thread.
 
+`get_text` reads a text endpoint (Prometheus' /metrics) within the same bounds, None where the server has none.
 Standard library only; `https` is served as `http` is.
 """
 
@@ -128,22 +129,15 @@ def _error_message(out) -> str:
     return " ".join(str(msg).split())[:200]
 
 
-def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BYTES, server_name: str,
-             method: str | None = None, cancel: Cancel | None = None):
-    """The JSON answer of a server at `url` (POST `payload` as JSON, or GET when it is None), or ServerError.
-
-    deadline: seconds for the whole exchange (connecting, sending, every byte of the answer); max_bytes: the
-    largest answer body taken; server_name: how messages name the server (e.g. "llama-server at URL"); cancel:
-    a Cancel that may end the request early. An answer other than HTTP 200 raises ServerError with its message;
-    a failed or broken connection raises ServerUnreachable."""
+def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, server_name: str, method: str,
+              accept: str, cancel: Cancel | None) -> tuple[int, bytes, str]:
+    """(HTTP status, body, "SERVER: METHOD PATH") of one bounded request; ServerError or ServerUnreachable."""
     deadline = check_seconds(deadline, "the request deadline")
-    method = method or ("GET" if payload is None else "POST")
     parts = urllib.parse.urlsplit(url)
     path = parts.path or "/"
     if parts.query:
         path += f"?{parts.query}"
     where = f"{server_name}: {method} {path}"
-    data = None if payload is None else json.dumps(payload, allow_nan=False).encode()
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.hostname, parts.port, timeout=deadline)
     expired = threading.Event()
@@ -166,8 +160,7 @@ def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BY
             _shut(sock)
         if cancel is not None and not cancel._add(sock):
             raise ServerError(f"{where} was stopped")
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                       "Accept": "application/json"})
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", "Accept": accept})
         resp = conn.getresponse()
         declared = resp.getheader("Content-Length", "")
         if declared.strip().isdigit() and int(declared) > max_bytes:
@@ -201,7 +194,21 @@ def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BY
         conn.close()
         if sock is not None:
             sock.close()
-    status = resp.status
+    return resp.status, raw, where
+
+
+def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BYTES, server_name: str,
+             method: str | None = None, cancel: Cancel | None = None):
+    """The JSON answer of a server at `url` (POST `payload` as JSON, or GET when it is None), or ServerError.
+
+    deadline: seconds for the whole exchange (connecting, sending, every byte of the answer); max_bytes: the
+    largest answer body taken; server_name: how messages name the server (e.g. "llama-server at URL"); cancel:
+    a Cancel that may end the request early. An answer other than HTTP 200 raises ServerError with its message;
+    a failed or broken connection raises ServerUnreachable."""
+    data = None if payload is None else json.dumps(payload, allow_nan=False).encode()
+    status, raw, where = _exchange(url, data, deadline=deadline, max_bytes=max_bytes, server_name=server_name,
+                                   method=method or ("GET" if payload is None else "POST"),
+                                   accept="application/json", cancel=cancel)
     try:
         out = parse_json(raw)
     except RecursionError:
@@ -213,3 +220,22 @@ def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BY
     if status != 200:
         raise ServerError(f"{where} answered HTTP {status}: {_error_message(out)}")
     return out
+
+
+ABSENT = (404, 405, 501)  # the answers of a server without the endpoint asked for (llama-server's /metrics: 501)
+
+
+def get_text(url: str, *, deadline: float, max_bytes: int = MAX_BYTES, server_name: str,
+             cancel: Cancel | None = None) -> str | None:
+    """The UTF-8 text a server answers to GET `url` (e.g. Prometheus' /metrics), within the same bounds as
+    get_json; None when the server has no such endpoint (HTTP 404, 405 or 501); ServerError otherwise."""
+    status, raw, where = _exchange(url, None, deadline=deadline, max_bytes=max_bytes, server_name=server_name,
+                                   method="GET", accept="text/plain", cancel=cancel)
+    if status in ABSENT:
+        return None
+    if status != 200:
+        raise ServerError(f"{where} answered HTTP {status}: {show(raw[:80])}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ServerError(f"{where} answered bytes that are not UTF-8 text: {show(raw[:80])}") from None

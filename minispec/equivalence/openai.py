@@ -21,12 +21,18 @@
 What the server answers is checked: the model it names, exactly `tokens` ids in the target's vocabulary, its
 reported completion token count, a finish reason of length. Anything else is a one-line ServerError.
 Drafting is read where the engine reports it: llama.cpp's per-request `timings.draft_n` / `draft_n_accepted`,
-SGLang's `meta_info.spec_draft_token_num` / `spec_accept_token_num`; None where it tells nothing.
+SGLang's `meta_info.spec_draft_token_num` / `spec_accept_token_num`, and for kind "openai" when the answers tell
+nothing (vLLM) the server's Prometheus `/metrics` spec-decode counters read before and after the run (vLLM's
+`vllm:spec_decode_num_draft_tokens_total` / `..._accepted_tokens_total`); None where it tells nothing.
+
+`Drawing` draws as it is read (`chunks`), so an audit whose early-stop look fails ends the sampling there;
+`draw` draws everything at once.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -35,7 +41,7 @@ import torch
 
 from ..errors import is_int, show
 from ..sampling import SamplingParams
-from .http import Cancel, ServerError, base_url, check_seconds, get_json
+from .http import Cancel, ServerError, base_url, check_seconds, get_json, get_text
 from .llama_server import OFF, SAMPLERS
 from .samples import SampleSet, group
 
@@ -277,50 +283,194 @@ def check_seed_range(seed: int, n: int) -> None:
                           f"32-bit); the last is {last}")
 
 
+# vLLM's spec-decode counters (vllm/v1/metrics/loggers.py, labels model_name and engine): prometheus_client shows
+# a Counter as NAME_total; the bare NAME is taken too, for exporters that write the family name.
+METRICS = {"drafted": ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"),
+           "accepted": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens")}
+METRICS_BYTES = 8 << 20  # a vLLM /metrics page is tens of KB; far more is not a metrics page
+METRICS_DEADLINE = 30.0
+_SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*")
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
+
+
+def _labels(text: str | None, line: str, where: str) -> dict:
+    out, pos = {}, 0
+    text = text or ""
+    while pos < len(text.rstrip()):
+        m = _LABEL.match(text, pos)
+        if m is None:
+            raise ServerError(f"{where}: /metrics line {show(line)} has labels that cannot be read")
+        out[m.group(1)] = re.sub(r"\\(.)", lambda e: {"n": "\n"}.get(e.group(1), e.group(1)), m.group(2))
+        pos = m.end()
+    return out
+
+
+def parse_metrics(text: str, model: str | None, where: str) -> dict | None:
+    """{"drafted": n, "accepted": n} summed over the label sets of `model` (a sample without a model_name label
+    counts), from Prometheus text; None when neither counter is there. Lines of other metrics are not read; a
+    counter line that cannot be read, a value that is not a count, a label set given twice, or one counter
+    without the other is ServerError."""
+    names = {n: key for key, pair in METRICS.items() for n in pair}
+    found: dict = {}  # metric name -> {label set: value}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or line.split("{", 1)[0].split()[0] not in names:
+            continue
+        m = _SAMPLE.fullmatch(line)
+        if m is None:
+            raise ServerError(f"{where}: /metrics line {show(line)} is not a Prometheus sample")
+        name, labels = m.group(1), _labels(m.group(2), line, where)
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0 and value == int(value)):
+            raise ServerError(f"{where}: /metrics gives {name} = {show(m.group(3))}, not a count")
+        if model is not None and labels.get("model_name", model) != model:
+            continue  # another model served beside it
+        key = tuple(sorted(labels.items()))
+        seen = found.setdefault(name, {})
+        if key in seen:
+            raise ServerError(f"{where}: /metrics gives {name} twice for the labels {show(dict(key))}")
+        seen[key] = int(value)
+    out = {}
+    for key, (total, bare) in METRICS.items():
+        values = found.get(total, found.get(bare))
+        out[key] = None if values is None else sum(values.values())
+    if out["drafted"] is None and out["accepted"] is None:
+        return None
+    if None in out.values():
+        raise ServerError(f"{where}: /metrics gives {'drafted' if out['accepted'] is None else 'accepted'} draft "
+                          "tokens but not the other count")
+    return out
+
+
+def read_metrics(endpoint: Endpoint) -> dict | None:
+    """The spec-decode counters of the server's /metrics (at its root, beside BASE), or None when it has no such
+    endpoint or counters."""
+    root = base_url(endpoint.url)
+    text = get_text(root + "/metrics", deadline=min(endpoint.deadline, METRICS_DEADLINE), max_bytes=METRICS_BYTES,
+                    server_name=endpoint.name)
+    return None if text is None else parse_metrics(text, endpoint.model, endpoint.name)
+
+
+def metrics_delta(before: dict | None, after: dict | None, where: str) -> dict | None:
+    """The draft tokens counted between two readings; None when the first had no counters; ServerError when the
+    counters vanished or went back (a restarted server), or more were accepted than drafted."""
+    if before is None:
+        return None
+    if after is None:
+        raise ServerError(f"{where}: the /metrics spec-decode counters were there before the run and not after it "
+                          "(the server restarted?)")
+    d = {k: after[k] - before[k] for k in before}
+    if min(d.values()) < 0:
+        raise ServerError(f"{where}: the /metrics spec-decode counters went back during the run ({before} before, "
+                          f"{after} after: the server restarted?)")
+    if d["accepted"] > d["drafted"]:
+        raise ServerError(f"{where}: /metrics counted {d['accepted']} accepted draft tokens of {d['drafted']} drafted "
+                          "during the run")
+    return d
+
+
+class Drawing:
+    """counts[j] samples after prompts[j] (sample g prompt-major, seeded seed + g; unseeded for odd g with
+    mixed_seeds), `concurrency` requests in flight, drawn as `chunks` is read: stopping reading stops the
+    sampling (the requests in flight ended at once). `settings` is the SampleSet's settings line (engine "openai"
+    or "sglang", the settings written out, extra `settings` added); once the drawing ends, `drafted` and
+    `accepted` are the draft tokens the engine reported (None: it tells nothing), also in settings["speculation"].
+    `run()` draws every sample at once. The first failure stops the rest and is raised."""
+
+    def __init__(self, endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens: int,
+                 params: SamplingParams, seed: int, vocab_size: int, concurrency: int = 1, mixed_seeds: bool = False,
+                 settings: dict | None = None, bar=None):
+        if not is_int(concurrency) or concurrency < 1:
+            raise ServerError(f"concurrency must be an integer >= 1, got {show(concurrency)}")
+        self.jobs = [(p, seed + g) for g, p in enumerate(p for p, n in zip(prompts, counts) for _ in range(n))]
+        check_seed_range(seed, len(self.jobs))
+        self.endpoint, self.tokens, self.params, self.vocab_size = endpoint, tokens, params, vocab_size
+        self.concurrency, self.mixed_seeds, self.bar = concurrency, mixed_seeds, bar
+        self.prompts, self.counts = [list(p) for p in prompts], list(counts)
+        self.settings = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                         "new_tokens": tokens, "engine": endpoint.kind, "engine_version": None, "url": endpoint.url,
+                         "model": endpoint.model, "seed": seed, "mixed_seeds": mixed_seeds,
+                         "concurrency": concurrency, **(settings or {})}
+        self.pairs: list = []  # (prompt, ids) drawn so far, in order
+        self.drafted = self.accepted = None
+        self.started = False
+
+    def chunks(self, size: int | None = None):
+        """(prompt, [ids, ...]) for up to `size` consecutive samples of one prompt at a time (all of a prompt's
+        when None), in order; the next chunk is drawn while this one is read."""
+        if self.started:
+            raise ServerError("a Drawing is drawn once")
+        self.started = True
+        sizes = [size or max(self.counts, default=1)] * len(self.counts)
+        bounds, g = [], 0
+        for n, b in zip(self.counts, sizes):
+            bounds += [(g + s, g + min(n, s + b)) for s in range(0, n, b)]
+            g += n
+        before = read_metrics(self.endpoint) if self.endpoint.kind == "openai" else None
+        out: list = [None] * len(self.jobs)
+        drafts = {"drafted": 0, "accepted": 0, "unknown_drafted": 0, "unknown_accepted": 0}
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            p, s = self.jobs[i]
+            ids, d, a = self.endpoint.sample(p, self.tokens, self.params, None if self.mixed_seeds and i % 2 else s,
+                                             self.vocab_size)
+            out[i] = ids
+            with lock:
+                for key, v in (("drafted", d), ("accepted", a)):
+                    if v is None:
+                        drafts[f"unknown_{key}"] += 1
+                    else:
+                        drafts[key] += v
+                if self.bar is not None:
+                    self.bar.update(1)
+
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        futures: list = []
+        try:
+            for c, (lo, hi) in enumerate(bounds):
+                ahead = bounds[c + 1][1] if c + 1 < len(bounds) else hi  # the next chunk is drawn meanwhile
+                futures += [pool.submit(one, i) for i in range(len(futures), max(ahead, hi))]
+                wait(futures[lo:hi], return_when=FIRST_EXCEPTION)
+                failed = next((f.exception() for f in futures[lo:hi] if f.done() and f.exception()), None)
+                if failed is not None:
+                    raise failed
+                chunk = [out[i] for i in range(lo, hi)]
+                self.pairs += [(self.jobs[i][0], t) for i, t in zip(range(lo, hi), chunk)]
+                yield self.jobs[lo][0], chunk
+        except GeneratorExit:  # the reader stopped (an early-stop look failed): so does the sampling
+            self.endpoint.cancel()
+        except BaseException:
+            self.endpoint.cancel()  # every request still in flight ends now: no thread outlives the run for long
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            if self.bar is not None:
+                self.bar.close()
+        with lock:  # stopped early: the requests that finished (some drawn ahead, never read) are what counted
+            known = lambda key: None if drafts[f"unknown_{key}"] else drafts[key]  # noqa: E731
+            self.drafted, self.accepted = known("drafted"), known("accepted")
+        if self.drafted is None and before is not None:
+            delta = metrics_delta(before, read_metrics(self.endpoint), self.endpoint.name)
+            self.drafted, self.accepted = delta["drafted"], delta["accepted"]
+        if self.drafted is not None:
+            self.settings["speculation"] = {"drafted": self.drafted, "accepted": self.accepted}
+
+    def run(self) -> Drawn:
+        """Every sample, drawn now."""
+        for _ in self.chunks():
+            pass
+        return Drawn(group(self.settings, self.pairs, self.endpoint.name), self.drafted, self.accepted,
+                     len(self.jobs))
+
+
 def draw(endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens: int, params: SamplingParams,
          seed: int, vocab_size: int, concurrency: int = 1, mixed_seeds: bool = False, settings: dict | None = None,
          bar=None) -> Drawn:
-    """counts[j] samples after prompts[j] (sample g prompt-major, seeded seed + g; unseeded for odd g with
-    mixed_seeds), `concurrency` requests in flight; the first failure stops the rest (their connections shut)
-    and is raised. Returns the SampleSet (engine "openai" or "sglang", the settings written out) and the draft
-    counts the engine reported."""
-    if not is_int(concurrency) or concurrency < 1:
-        raise ServerError(f"concurrency must be an integer >= 1, got {show(concurrency)}")
-    jobs = [(p, seed + g) for g, p in enumerate(p for p, n in zip(prompts, counts) for _ in range(n))]
-    check_seed_range(seed, len(jobs))
-    out: list = [None] * len(jobs)
-    drafts = {"drafted": 0, "accepted": 0, "unknown_drafted": 0, "unknown_accepted": 0}
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        p, s = jobs[i]
-        ids, d, a = endpoint.sample(p, tokens, params, None if mixed_seeds and i % 2 else s, vocab_size)
-        out[i] = (p, ids)
-        with lock:
-            for key, v in (("drafted", d), ("accepted", a)):
-                if v is None:
-                    drafts[f"unknown_{key}"] += 1
-                else:
-                    drafts[key] += v
-            if bar is not None:
-                bar.update(1)
-
-    pool = ThreadPoolExecutor(max_workers=concurrency)
-    try:
-        futures = [pool.submit(one, i) for i in range(len(jobs))]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f.exception() for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            raise failed
-    except BaseException:
-        endpoint.cancel()  # every request still in flight ends now: no thread outlives the run for long
-        raise
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        if bar is not None:
-            bar.close()
-    head = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "new_tokens": tokens,
-            "engine": endpoint.kind, "engine_version": None, "url": endpoint.url, "model": endpoint.model,
-            "seed": seed, "mixed_seeds": mixed_seeds, "concurrency": concurrency, **(settings or {})}
-    known = lambda key: None if drafts[f"unknown_{key}"] else drafts[key]  # noqa: E731
-    return Drawn(group(head, out, endpoint.name), known("drafted"), known("accepted"), len(jobs))
+    """Every sample of a Drawing (see there), drawn at once: the SampleSet and the draft counts the engine
+    reported."""
+    return Drawing(endpoint, prompts, counts, tokens, params, seed, vocab_size, concurrency, mixed_seeds, settings,
+                   bar).run()

@@ -49,6 +49,8 @@ class TwoSampleReport:
         parts = [word] + ([self.power.phrase()] if self.power is not None else [])
         if self.drafted == 0:
             parts.append("the engine drafted no tokens, so this run tested plain sampling, not speculation")
+        elif self.drafted is not None:
+            parts.append(f"the engine reported {self.drafted} draft tokens, {self.accepted} accepted")
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
