@@ -547,7 +547,7 @@ def _remote_audit(args, target, prompts: list[list[int]]):
 
     from tqdm import tqdm
 
-    from .equivalence.openai import Endpoint, check_same_model, draw
+    from .equivalence.openai import Drawing, Endpoint, check_same_model
     from .equivalence.two_sample import compare
     from .sampling import SamplingParams
 
@@ -558,8 +558,8 @@ def _remote_audit(args, target, prompts: list[list[int]]):
 
     def arm(endpoint, seed, desc):
         bar = tqdm(total=n, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True)
-        return draw(endpoint, prompts, [args.samples] * len(prompts), args.tokens, params, seed, vocab,
-                    concurrency=concurrency, mixed_seeds=args.mixed_seeds, bar=bar)
+        return Drawing(endpoint, prompts, [args.samples] * len(prompts), args.tokens, params, seed, vocab,
+                       concurrency=concurrency, mixed_seeds=args.mixed_seeds, bar=bar)
 
     with contextlib.ExitStack() as stack:
         if args.engine == LLAMA_CPP and args.server_model is not None:
@@ -584,14 +584,13 @@ def _remote_audit(args, target, prompts: list[list[int]]):
         check = "skipped"
         if target is not None and not args.no_model_check:
             check = check_same_model(endpoint, target, prompts[0])  # before any sampling
-        drawn = arm(endpoint, args.seed, args.engine)
-        drawn.samples.settings["model_check"] = check
-        if drawn.drafted is not None:
-            drawn.samples.settings["speculation"] = {"drafted": drawn.drafted, "accepted": drawn.accepted}
+        drawing = arm(endpoint, args.seed, args.engine)
+        drawing.settings["model_check"] = check
         if target is not None:
-            return drawn, None
+            return drawing, None  # drawn as audit_samples scores it, so a failed early-stop look ends the sampling
+        drawn = drawing.run()
         # the reference's seeds follow the test's, so no seed is used twice
-        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference")
+        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference").run()
     report = compare(drawn.samples, reference.samples, alpha=args.alpha, seed=args.seed, power_runs=args.power_runs,
                      drafted=drawn.drafted, accepted=drawn.accepted,
                      names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
@@ -675,7 +674,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
                         **({} if args.tree is None else {"tree": args.tree}))
         if args.engine in REMOTE_KINDS:
             check_window(target, prompts, args.tokens)
-            report = audit_samples(target, _remote_audit(args, target, prompts)[0].samples, **test)
+            report = audit_samples(target, _remote_audit(args, target, prompts)[0], **test)
         elif args.engine == LLAMA_CPP:
             check_window(target, prompts, args.tokens)  # before the server starts
             report = audit_samples(target, _server_samples(args, target, prompts), **test)

@@ -27,6 +27,7 @@ from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
 from ..tree import check_tree
 from .engines import ENGINES, TransformersEngine
+from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
 from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
 from .stats import ORDERS, RunStats, analyse, pit
@@ -233,8 +234,11 @@ class EquivalenceReport:
     def verdict(self) -> str:
         """"passed; would have caught a bias of TV >= x ..." or "failed" (with the power figure when computed)."""
         parts = ["passed" if self.passed else "failed"] + ([self.power.phrase()] if self.power is not None else [])
-        if self.drafts[0] == 0:
+        drafted, accepted = self.drafts
+        if drafted == 0:
             parts.append("no tokens were drafted, so the run tested plain sampling, not speculation")
+        elif drafted is not None and not self.speculation:  # an engine's own report (minispec's has its own line)
+            parts.append(f"the engine reported {drafted} draft tokens, {accepted} accepted")
         return "; ".join(parts)
 
     @property
@@ -505,13 +509,15 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     return report
 
 
-def audit_samples(target, samples: SampleSet | str | Path, seed: int = 0, alpha: float = DEFAULTS["alpha"],
+def audit_samples(target, samples: SampleSet | Drawing | str | Path, seed: int = 0, alpha: float = DEFAULTS["alpha"],
                   bins: int = DEFAULTS["bins"], orders=ORDERS, reference: bool = True,
                   batch_size: int = DEFAULTS["batch_size"], progress: bool = False, names: dict | None = None,
                   power_runs: int = DEFAULTS["power_runs"]) -> EquivalenceReport:
     """Test samples drawn by any engine (vLLM, SGLang, llama.cpp, ...) against minispec's target.
 
-    samples: a samples file (JSONL: see minispec.equivalence.samples) or a SampleSet. The PIT runs on the
+    samples: a samples file (JSONL: see minispec.equivalence.samples), a SampleSet, or a server's Drawing
+    (minispec.equivalence.openai), drawn here chunk by chunk with the early-stop looks run_equivalence takes, so
+    a clearly broken server stops being sampled at the first look that fails. The PIT runs on the
     target with one batched pass per distinct prompt, in both token orders with Holm's correction, and the
     target-only calibration draws the same counts after the same prompts with the file's settings (seed:
     its generators, as in run_equivalence). Raises EquivalenceInputError (SamplesFileError for the file) on
@@ -519,6 +525,9 @@ def audit_samples(target, samples: SampleSet | str | Path, seed: int = 0, alpha:
     """
     orders = _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs)
     cfg = target.config
+    if isinstance(samples, Drawing):
+        return _audit_drawing(target, samples, seed, alpha, bins, orders, reference, batch_size, progress, names,
+                              power_runs)
     if isinstance(samples, SampleSet):
         validate(samples, cfg.vocab_size, cfg.max_seq_len, MIN_SAMPLES)
     else:
@@ -538,6 +547,32 @@ def audit_samples(target, samples: SampleSet | str | Path, seed: int = 0, alpha:
     return _verdict(target, chunks, samples.prompts, samples.counts, params, samples.new_tokens, settings, s,
                     _engine_notes(s), seed, alpha, bins, orders, reference, batch_size, progress, power_runs,
                     interim=False, t_start=t_start)
+
+
+def _audit_drawing(target, drawing: Drawing, seed, alpha, bins, orders, reference, batch_size, progress, names,
+                   power_runs) -> EquivalenceReport:
+    """audit_samples of a server's samples drawn as they are scored: interim looks as in run_equivalence."""
+    cfg, s = target.config, drawing.settings
+    where = drawing.endpoint.name
+    if drawing.vocab_size > cfg.vocab_size or any(not 0 <= t < cfg.vocab_size for p in drawing.prompts for t in p):
+        raise EquivalenceInputError(f"{where}: the prompts or the ids taken from the server reach beyond the "
+                                    f"target's vocabulary [0, {cfg.vocab_size})")
+    check_window(target, drawing.prompts, s["new_tokens"])
+    if sum(drawing.counts) < MIN_SAMPLES:
+        raise EquivalenceInputError(f"{sum(drawing.counts)} sample(s) asked for; the test needs at least {MIN_SAMPLES}")
+    names = names or {}
+    extra = {k: v for k, v in s.items() if k not in SETTINGS_KEYS}
+    settings = {"target": names.get("target", "(model)"), "engine": s["engine"], "engine_version": s["engine_version"],
+                "source": where, "engine_settings": extra, "seed": seed, "draft": None, "k": None, "sampler": None,
+                "under_test": f"samples from {where}"}
+    notes: list = []
+    report = _verdict(target, drawing.chunks(batch_size), drawing.prompts, drawing.counts, SamplingParams(
+        s["temperature"], s["top_k"], s["top_p"]), s["new_tokens"], settings, s, notes, seed, alpha, bins, orders,
+        reference, batch_size, progress, power_runs, interim=True, t_start=time.perf_counter())
+    if "speculation" in s:  # known once the drawing ended
+        extra["speculation"] = s["speculation"]
+    report.notes[:0] = _engine_notes(s)
+    return report
 
 
 def _engine_notes(settings: dict) -> list[str]:
