@@ -548,7 +548,7 @@ def _remote_audit(args, target, prompts: list[list[int]]):
     from tqdm import tqdm
 
     from .equivalence.openai import Drawing, Endpoint, check_same_model
-    from .equivalence.two_sample import compare
+    from .equivalence.two_sample import audit
     from .sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k or None, args.top_p)
@@ -588,13 +588,12 @@ def _remote_audit(args, target, prompts: list[list[int]]):
         drawing.settings["model_check"] = check
         if target is not None:
             return drawing, None  # drawn as audit_samples scores it, so a failed early-stop look ends the sampling
-        drawn = drawing.run()
-        # the reference's seeds follow the test's, so no seed is used twice
-        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference").run()
-    report = compare(drawn.samples, reference.samples, alpha=args.alpha, seed=args.seed, power_runs=args.power_runs,
-                     drafted=drawn.drafted, accepted=drawn.accepted,
-                     names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
-    return drawn, report
+        # the reference's seeds follow the test's, so no seed is used twice; both drawn in step, with early looks
+        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference")
+        report = audit(drawing, reference, args.batch_size, alpha=args.alpha, seed=args.seed,
+                       power_runs=args.power_runs,
+                       names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
+    return drawing, report
 
 
 def _server_samples(args, target, prompts: list[list[int]]):

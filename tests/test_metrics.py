@@ -12,7 +12,7 @@ from test_openai_engine import PARAMS, PROMPTS, Stub, T
 from minispec.equivalence import audit_samples
 from minispec.equivalence.http import ServerError
 from minispec.equivalence.openai import Drawing, Endpoint, metrics_delta, parse_metrics
-from minispec.equivalence.two_sample import compare
+from minispec.equivalence.two_sample import audit, compare
 
 from helpers import equivalence_cli as main
 
@@ -164,3 +164,18 @@ def test_a_correct_server_takes_every_look_and_passes(stubs):
     assert r.passed and not q["stopped_early"] and q["looks_taken"] == 2 and q["samples_tested"] == 300
     assert stub.requests == 300 and r.to_dict()["drafted"] == d.drafted > 0  # llama.cpp's timings, summed
     assert r.speed["speculative_samples_per_s"] > 0
+
+
+def test_the_two_sample_audit_stops_a_broken_server_early_and_not_a_correct_one(stubs):
+    plain = stubs("vllm", "plain")
+    broken = stubs("vllm", "argmax")
+    r = audit(drawing(broken, 1000), drawing(plain, 1000, seed=50_000), batch_size=100, **FAST)
+    q = r.sequential
+    assert not r.passed and q["stopped_early"] and q["looks_taken"] == 1 and q["interim_looks"] == 9
+    assert broken.requests < 300 and "stopped early" in r.format() and r.to_dict()["sequential"] == q
+    exact = stubs("llama.cpp")
+    d = drawing(exact, 300)
+    r = audit(d, drawing(plain, 300, seed=60_000), batch_size=100, **FAST)
+    q = r.sequential
+    assert r.passed and not q["stopped_early"] and q["looks_taken"] == 2 and q["samples_tested"] == 300
+    assert r.drafted == d.drafted > 0 and exact.requests == 300

@@ -39,6 +39,8 @@ def test_two_sample_without_a_target_passes_exact_and_fails_a_control(stubs, cap
     report = json.loads(capsys.readouterr().out)
     # the SGLang stub reports its draft tokens (meta_info spec_draft_token_num)
     assert report["mode"] == "two-sample" and report["passed"] and report["drafted"] > 0
+    # 300 samples in batches of 256: one early look, at 256 samples of each run, which passed
+    assert report["sequential"]["interim_looks"] == report["sequential"]["looks_taken"] == 1
     assert main(["--engine", "sglang", "--url", stubs("sglang", "argmax").url, "--reference-url", plain.url,
                  *COMMON]) == 1
     out = capsys.readouterr().out

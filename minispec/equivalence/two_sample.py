@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .power import RUNS, Power, two_sample_power
-from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet
+from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group
 from .stats import PERMUTATIONS, TwoSample, homogeneity
 
 MIN_SAMPLES = 10
@@ -34,6 +34,7 @@ class TwoSampleReport:
     accepted: int | None = None
     notes: list[str] = field(default_factory=list)
     speed: dict = field(default_factory=dict)
+    sequential: dict = field(default_factory=dict)  # the early-stop looks (audit): count, level, whether one stopped
 
     @property
     def passed(self) -> bool:
@@ -57,7 +58,7 @@ class TwoSampleReport:
         return {"passed": self.passed, "verdict": self.verdict, "mode": "two-sample", "calibrated": None,
                 "drafted": self.drafted, "accepted": self.accepted, "settings": self.settings,
                 "two_sample": self.test.to_dict(), "power": None if self.power is None else self.power.to_dict(),
-                "speed": self.speed, "notes": self.notes}
+                "sequential": self.sequential, "speed": self.speed, "notes": self.notes}
 
     def format(self) -> str:
         s, t = self.settings, self.test
@@ -70,7 +71,10 @@ class TwoSampleReport:
         for w, c, d, p, a in zip(t.row_names, t.stats, t.dfs, t.p, t.adjusted):
             lines.append(f"  {w:>8} {c:>10.2f} {d:>5} {p:>10.3g} {a:>10.3g}")
         lines += ["", f"verdict: {'PASSED' if self.passed else 'FAILED'} ({self.verdict})",
-                  f"  at alpha={t.alpha}: smallest Holm-adjusted p = {t.min_adjusted:.3g}"]
+                  f"  at alpha={t.alpha:.3g}: smallest Holm-adjusted p = {t.min_adjusted:.3g}"]
+        if self.sequential.get("stopped_early"):
+            lines.append(f"  stopped early: the first {t.n_a} and {t.n_b} samples already failed at an early look "
+                         "(a clear failure; the rest were not drawn)")
         if self.drafted is not None:
             rate = f", acceptance {self.accepted / self.drafted:.3f}" if self.drafted and self.accepted is not None \
                 else ""
@@ -121,4 +125,42 @@ def compare(test: SampleSet, reference: SampleSet, alpha: float = 0.01, seed: in
     if drafted == 0:
         report.notes.append("the engine reported 0 drafted tokens: the samples under test are plain sampling")
     report.speed = {"test_s": time.perf_counter() - t0, **({"power_s": power.seconds} if power else {})}
+    return report
+
+
+def audit(test, reference, batch_size: int = 256, alpha: float = 0.01, seed: int = 0, power_runs: int = RUNS,
+          permutations: int = PERMUTATIONS, names: tuple[str, str] | None = None) -> TwoSampleReport:
+    """compare() on two servers' Drawings (minispec.equivalence.openai), drawn chunk by chunk in step, with the
+    early-stop looks of the PIT harness: after each pair of chunks but the last, the samples so far are compared at
+    EARLY_ALPHA * alpha / (number of looks), and a failure there stops both drawings; the final comparison runs
+    at the alpha left. The engine's draft counts come from the drawing under test."""
+    from .harness import EARLY_ALPHA
+
+    runs = [test.chunks(batch_size), reference.chunks(batch_size)]
+    looks = sum(-(-n // batch_size) for n in test.counts) - 1
+    a_look = EARLY_ALPHA * alpha / looks if looks > 0 else 0.0
+    taken, stopped = 0, False
+    try:
+        for _ in range(looks):
+            if any(next(r, None) is None for r in runs):
+                break
+            taken += 1
+            a, b = (group(d.settings, d.pairs, d.endpoint.name) for d in (test, reference))
+            if min(len(a.tokens), len(b.tokens)) >= MIN_SAMPLES and not compare(
+                    a, b, alpha=a_look, seed=seed, power_runs=0, permutations=permutations).passed:
+                stopped = True
+                break
+        if not stopped:
+            for r in runs:
+                for _ in r:
+                    pass
+    finally:
+        for r in runs:
+            r.close()  # a stopped drawing ends its requests and reads its counters
+    report = compare(group(test.settings, test.pairs, test.endpoint.name),
+                     group(reference.settings, reference.pairs, reference.endpoint.name),
+                     alpha=a_look if stopped else alpha - a_look * looks, seed=seed, power_runs=power_runs,
+                     permutations=permutations, drafted=test.drafted, accepted=test.accepted, names=names)
+    report.sequential = {"interim_looks": looks, "interim_alpha": a_look, "final_alpha": alpha - a_look * looks,
+                         "looks_taken": taken, "stopped_early": stopped, "samples_tested": len(test.pairs)}
     return report
