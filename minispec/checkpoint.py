@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from . import quantized
 from .config import ModelConfig
 from .errors import InputError
-from .kernels import int4_supported
+from .forms import int4_supported
 from .tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401 (TOKENIZER_FILES: the converters' import)
 
 WEIGHTS_NAME = "model.safetensors"
@@ -244,7 +244,7 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
     model.config.int4 = False  # set again by to_int4
     model = model.to(device=device or "cpu", dtype=None if int4 else dtype)  # int4: each matrix in fp32 only in turn
     if packed:
-        quantized.rows_alike(model)
+        quantized.make_rows_alike(model)
     elif int4:
         model.to_int4()
     model.tokenizer = tokenizer

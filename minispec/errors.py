@@ -207,12 +207,14 @@ def check_sampling(temperature, top_k, top_p) -> None:
 def unsampleable(logits: torch.Tensor) -> str | None:
     """What makes some row of `logits` impossible to sample (NaN or +inf anywhere, or every entry -inf), or None.
 
-    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One device sync.
+    -inf alone is a probability of 0 (a subset head's other ids), so it is allowed. One pass over the logits
+    and one device sync: a row's max is NaN if it holds a NaN (amax propagates it), +inf if it holds +inf and
+    -inf only if every entry is -inf, so it is finite exactly when the row can be sampled.
     """
-    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any()
-    no_token = torch.isneginf(logits).all(-1).any()
-    flags = torch.stack((nonfinite, no_token)).tolist()
-    return "NaN or +inf" if flags[0] else "-inf for every token" if flags[1] else None
+    top = logits.amax(-1)
+    if bool(torch.isfinite(top).all()):
+        return None
+    return "NaN or +inf" if bool((torch.isnan(top) | torch.isposinf(top)).any()) else "-inf for every token"
 
 
 def check_logits(logits: torch.Tensor) -> None:

@@ -29,9 +29,8 @@ from .cache import PagedKVCache
 from .config import ModelConfig
 from .drafters import Drafter, add_picks, as_proposal, draw_exact, draw_step
 from .errors import GenerationError
-from .kernels import Int4Weight, int4_supported
+from .forms import Int4Weight, int4_supported, set_weight
 from .model import Block, RMSNorm, Transformer
-from .quantized import set_weight
 
 KIND = "feature-draft"  # config.json's "kind" for a feature draft directory
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .kernels import PackedWeight
+from .forms import PackedWeight
 
 LIBRARY = Path(__file__).resolve().parent / "libminispec_ggml.so"
 

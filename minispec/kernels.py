@@ -13,16 +13,15 @@ model.py states the maths and calls three functions here, each of which computes
 - `rms_norm(x, weight, eps)`: one fp32 row outside autograd (a decode step) takes a shortcut of fewer
   kernels; everything else the formula.
 
-`Int4Weight` (with `int4_supported`) is a draft's weight matrix stored in int4, which `linear`
-multiplies with PyTorch's CPU int4 kernel (docs/benchmarks.md, "Int4 draft").
+A weight in a stored form (minispec.forms: int4 groups, int8 rows, a GGUF's blocks, ...) computes its own
+product; `linear` hands it the rows.
 
 One switch turns every fast path off. `MINISPEC_KERNELS=plain` in the environment (read when used;
 "fast", the default, turns them on; any other value raises ValueError at the first use), or, in a
 program, `set_enabled(False)` or `with minispec.kernels.plain(): ...` (which take precedence over the
 environment; `set_enabled(None)` hands the choice back to it). Switched off, every product is
 `F.linear`, every attention one SDPA call, every RMSNorm the formula, and the product-form probe never
-runs. An `Int4Weight` still goes through its int4 kernel: it is a stored form of the weight, not a
-choice of kernel (an int4 model has no float matrix to give `F.linear`).
+runs; the stored forms follow the switch as minispec.forms says.
 
 What switching off gives up: in bf16 on a CPU, a decode step and a verify pass give a position the
 same bits only because a one-row product is computed as two and a pass over several tokens attends
@@ -149,10 +148,10 @@ def _one_row_as_two(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     return F.linear(x.reshape(1, -1).repeat(2, 1), w, b)[:1].view(*x.shape[:-1], -1)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b, by the path this CPU runs fastest (see the module's docstring); `F.linear` when the
     switch is off, off the CPU or under autograd. A PackedWeight always computes its own product."""
-    if isinstance(w, PackedWeight):
+    if not isinstance(w, torch.Tensor):  # a stored form (minispec.forms) computes its own product
         return w(x, b)
     if not enabled() or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, b)  # on the weights directly: an nn.Linear module call costs more, in every product
@@ -165,126 +164,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, b: torch.Tensor | No
         return F.linear(x, w, b)
     form = product_forms()[rows > 1]
     return PRODUCTS["aten" if form == "transposed" and rows > 512 else form](x, w, b)
-
-
-class PackedWeight:
-    """A weight matrix in a form `F.linear` cannot take, which computes its own product: `w(x, b)` is
-    x @ w.T + b, each row of x computed alone (a row's result does not depend on the others)."""
-
-    __slots__ = ("shape",)
-
-    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = self.product(rows).to(x.dtype).view(*x.shape[:-1], self.shape[0])
-        return out if b is None else out + b
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-def int4_groups(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A float matrix (N, K) quantized to 4 bits in groups of `group` inputs: q (N, K) uint8 in 0..15, scale and
-    offset (N, K / group) with the weight ~ scale * q + offset (each group's range in 15 even steps)."""
-    w = w.detach().float()
-    n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    lo, hi = torch.aminmax(g, dim=-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    q = (g - lo[..., None]).mul_((1 / scale)[..., None]).round_().clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    return q, scale, lo
-
-
-class Int4Weight(PackedWeight):
-    """A weight matrix in int4: groups of 32 inputs per row, each with its own scale and offset (the weight is
-    scale * q + offset, q in 0..15), packed for PyTorch's int4 weight-only product (`_weight_int4pack_mm_for_cpu`,
-    bf16 activations, scales and offsets, unpacked in the kernel). An eighth of fp32's bytes, so a decode step,
-    which reads every weight once, costs far less. `Int4Weight(w)` quantizes a float matrix (a draft's fast form:
-    not exact, and it need not be, a draft only proposes); `from_groups` takes a file's own integers and scales
-    (minispec.quantized)."""
-
-    GROUP = 32
-    CHUNK = 4096  # rows packed at a time (a multiple of the kernel's 64-row tiles): a bounded int32 temporary
-    __slots__ = ("packed", "scales")
-
-    def __init__(self, w: torch.Tensor):
-        self._set(*int4_groups(w, self.GROUP))
-
-    @classmethod
-    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Weight:
-        """q (N, K) in 0..15, scale and offset (N, K/32): the weight scale * q + offset."""
-        self = cls.__new__(cls)
-        self._set(q, scale.float(), offset.float())
-        return self
-
-    def _set(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
-        self.shape = tuple(q.shape)
-        # the packing reads its input as contiguous whatever its strides: a row-permuted q must be copied
-        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + self.CHUNK].to(
-            torch.int32).contiguous(), 2) for i in range(0, q.shape[0], self.CHUNK)])
-        # the kernel's weight is (q - 8) * scale + zero, scales and zeros (k / GROUP, n, 2)
-        self.scales = torch.stack((scale, offset + 8 * scale), -1).transpose(0, 1).contiguous().bfloat16()
-
-    @classmethod
-    def fits(cls, shape) -> bool:
-        """The kernel's shapes: output rows a multiple of 16, inputs of the group."""
-        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % cls.GROUP == 0
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.bfloat16(), self.packed, self.GROUP, self.scales)
-
-
-class Int8Weight(PackedWeight):
-    """A weight matrix in int8 with one scale a row (the weight is scale * q), multiplied by PyTorch's int8
-    weight-only product (`_weight_int8pack_mm`, bf16 activations and scales): a quarter of fp32's bytes."""
-
-    __slots__ = ("q", "scale")
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
-        self.shape = tuple(q.shape)
-        # a copy: the kernel's vector loads fault on a tensor at an unaligned address (as a file's tensors may be)
-        self.q, self.scale = q.to(torch.int8, copy=True, memory_format=torch.contiguous_format), scale.bfloat16()
-
-    @classmethod
-    def fits(cls, shape) -> bool:
-        return len(shape) == 2
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(rows.bfloat16(), self.q, self.scale)
-
-
-class RowWise(PackedWeight):
-    """A float matrix multiplied one row at a time, each row exactly the product a one-row pass makes (for a
-    matrix of a shape the packed kernels do not take, in a model whose passes must agree row by row)."""
-
-    __slots__ = ("w",)
-
-    def __init__(self, w: torch.Tensor):
-        self.shape, self.w = tuple(w.shape), w
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(self.w.dtype)
-        if not enabled():  # the switch off: the plain product, whatever it gives a row among others
-            return F.linear(rows, self.w)
-        return torch.cat([F.linear(rows[i:i + 1], self.w) for i in range(rows.shape[0])])
-
-
-class Stacked(PackedWeight):
-    """Several matrices over the same input as one product: their outputs side by side (q, k and v kept in
-    different forms)."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: list[PackedWeight]):
-        self.parts = parts
-        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.product(rows).to(rows.dtype) for p in self.parts], dim=-1)
-
-
-def int4_supported(device: torch.device | str) -> bool:
-    """Int4Weight's kernel runs on CPUs."""
-    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 # ---------------------------------------------------------------------------
@@ -354,12 +233,12 @@ def _rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return torch.mul(x, weight).mul_((float(torch.dot(v, v)) / v.shape[0] + eps) ** -0.5)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, same_rows: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_alike: bool = False) -> torch.Tensor:
     """weight * x * rsqrt(mean(x^2) + eps) over the last axis, normalised in fp32 as Hugging Face does and
-    cast back before the scale (F.rms_norm is more kernels on a CPU, no faster). same_rows: no one-row
+    cast back before the scale (F.rms_norm is more kernels on a CPU, no faster). rows_alike: no one-row
     shortcut, so a row comes out the same alone or among others."""
     if (x.dtype == torch.float32 and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and enabled()
-            and not same_rows):
+            and not rows_alike):
         return _rms_norm_row(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps))

@@ -26,9 +26,9 @@ from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
+from .forms import Int4Weight, PackedWeight, int4_supported, set_weight
 from .generate import generate
-from .kernels import Int4Weight, PackedWeight, int4_supported
-from .quantized import KeptEmbedding, set_weight
+from .quantized import KeptEmbedding
 from .speculative import speculate
 from .threads import tuned
 
@@ -40,10 +40,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.same_rows = False  # a row normalised alike alone or among others (a quantized model's exactness)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps, self.same_rows)
+    def forward(self, x: torch.Tensor, rows_alike: bool = False) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, rows_alike)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -118,10 +117,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (H + 2 * Hkv) * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
         fuse_projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [H * D, Hkv * D, Hkv * D])
-        self.same_rows = False  # each query row attended alone (a quantized model's exactness: kernels.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                pool: torch.Tensor | None, meta: AttentionMetadata | None) -> torch.Tensor:
+                pool: torch.Tensor | None, meta: AttentionMetadata | None, rows_alike: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
@@ -144,7 +142,7 @@ class Attention(nn.Module):
                 ctx = pool.index_select(0, meta.read_slots.view(-1)).view(B, -1, 2 * Hkv, D)
             ctx = ctx.to(q.dtype).transpose(1, 2)  # (B, 2*Hkv, L, D)
             # rows computed alone: a kept quantization's, and a tree's on the row-wise path (each over its own keys)
-            alone = self.same_rows or meta.keys is not None and kernels.attends_row_wise(q)
+            alone = rows_alike or meta.keys is not None and kernels.attends_row_wise(q)
             out = kernels.attention(q, ctx, meta.mask, Hkv, meta.row_ends() if alone else None)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return kernels.linear(out, self.o_proj.weight)
@@ -176,9 +174,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, pool, meta, rows_alike: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x, rows_alike), cos, sin, pool, meta, rows_alike)
+        return x + self.mlp(self.post_attention_layernorm(x, rows_alike))
 
 
 class Transformer(nn.Module):
@@ -196,6 +194,9 @@ class Transformer(nn.Module):
         self.register_buffer("head_ids", torch.arange(head) if cfg.head_vocab_size else None)
         # a tied head's packed form (to_int4, or a kept quantization: minispec.quantized); the lookup keeps its own
         self.head_packed: PackedWeight | None = None
+        # every pass computes a position exactly as a one-token pass does: norms and attention row by row (the
+        # products' forms do their part: minispec.quantized.make_rows_alike sets this for a kept model)
+        self.rows_alike = False
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -286,8 +287,8 @@ class Transformer(nn.Module):
         # read_slots: (B, L), and L is past every position
         cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if kv is None else kv[i], meta)
-        return self.norm(x)
+            x = layer(x, cos, sin, None if kv is None else kv[i], meta, self.rows_alike)
+        return self.norm(x, self.rows_alike)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (..., dim) -> logits (..., vocab); padding ids (config.sampled_vocab_size) get -inf."""
@@ -347,7 +348,7 @@ class Transformer(nn.Module):
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
-        kind = (self.config.dim, self.config.n_layers, self.config.int4, self.norm.same_rows, len(seqs), T)
+        kind = (self.config.dim, self.config.n_layers, self.config.int4, self.rows_alike, len(seqs), T)
         with tuned(kind, self.device) as n, kernels.resolved(), ggml.threads_for(self, n):
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:

@@ -21,11 +21,11 @@ Files written before kept the two forms below, which still load:
   says why and how far that is from the file).
 
 On a CPU with PyTorch's int4 kernel these compute as stored (`install`): an int4 matrix through
-`kernels.Int4Weight`, an int8 one through `kernels.Int8Weight`, the embedding rows dequantized when
+`forms.Int4Weight`, an int8 one through `forms.Int8Weight`, the embedding rows dequantized when
 looked up (`KeptEmbedding`). Elsewhere, or when asked, they are dequantized to float (`dequantize`).
 Either way every product gives a row the same bits whatever the other rows of the pass (the kernels'
 rows are independent; a matrix the kernels cannot take is multiplied row by row), and the model's norms
-and attention are set to do the same (`same_rows`), so a verify pass computes exactly what decode
+and attention are set to do the same (the model's `rows_alike` mode), so a verify pass computes exactly what decode
 steps do: greedy speculation equals greedy generation, as with the bf16 target. A float q, k or v beside
 kept ones (a file may leave one unquantized) joins their product row by row. A non-finite scale or min is
 refused when read (`read_parts`), naming the tensor.
@@ -41,9 +41,7 @@ import torch.nn as nn
 
 from . import ggml, kernels
 from .errors import InputError
-from .kernels import Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked
-
-GROUP = 32  # inputs per int4 group (Q4_K's sub-block)
+from .forms import GROUP, Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked, pack_q4, set_weight, unpack_q4
 
 # form -> its tensors: (suffix, safetensors dtype, shape from the matrix's (N, K))
 FORMS = {
@@ -114,18 +112,7 @@ def split_kept(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], sourc
     return plain, kept
 
 
-def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
-    """(..., K/2) uint8 -> (..., K) uint8 values 0..15, input 2i from the low nibble."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
-
-
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """(..., K) values 0..15 -> (..., K/2) uint8, the inverse of unpack_q4."""
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-Q4_K_BLOCK = 144  # bytes of a Q4_K super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of q
+Q4_K_BLOCK = ggml.TYPES["q4_k"][2]  # a super-block's 144 bytes: fp16 d and dmin, 12 of 6-bit scales and mins, 128 of q
 Q4_K_VALUES = 256  # weights a super-block holds
 
 
@@ -327,17 +314,10 @@ def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
     return parts
 
 
-def set_weight(module: nn.Module, weight: PackedWeight) -> None:
-    """Give a module a packed weight: the parameter goes, the module keeps a plain attribute, out of the
-    state dict."""
-    del module.weight
-    module.weight = weight
-
-
 def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torch.Tensor]) -> None:
     """Put the kept matrices into `model` (built on the meta device, before its float tensors are loaded) in
     the form its CPU computes, reading each one's tensors with read(name) only when its turn comes (so the
-    stored and the packed forms of the whole model are never held at once). `rows_alike` finishes the model
+    stored and the packed forms of the whole model are never held at once). `make_rows_alike` finishes the model
     once its float tensors are in. `floats`: the file's float tensors; a float q, k or v beside kept ones (a GGUF
     may quantize them differently) is taken from it into their product, multiplied row by row."""
     def parts(name: str) -> dict[str, torch.Tensor]:
@@ -362,14 +342,14 @@ def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torc
             set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
 
 
-def rows_alike(model: nn.Module) -> None:
+def make_rows_alike(model: nn.Module) -> None:
     """Make every pass of a kept model compute a position exactly as a one-token pass does: float matrices (a
-    GGUF's F16 or F32 ones) multiplied row by row, norms and attention row by row (`same_rows`)."""
+    GGUF's F16 or F32 ones) multiplied row by row, and the model's one mode, `rows_alike`, for its norms and
+    attention."""
+    model.rows_alike = True
     for m in model.modules():
         if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor):
             set_weight(m, RowWise(m.weight.detach()))
-        if hasattr(m, "same_rows"):
-            m.same_rows = True
     if model.lm_head is None and model.head_packed is None and not isinstance(model.embed_tokens, KeptEmbedding):
         model.head_packed = RowWise(model.embed_tokens.weight.detach())
 

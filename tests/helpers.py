@@ -81,8 +81,7 @@ def kept_int4(model: Transformer, path: Path) -> Transformer:
     32, each group's range in 15 steps) at `path`, loaded back: an int4 target computed as a GGUF's would be."""
     from safetensors.torch import save_file
 
-    from minispec.kernels import Int4Weight, int4_groups
-    from minispec.quantized import pack_q4
+    from minispec.forms import Int4Weight, int4_groups, pack_q4
 
     tensors = {}
     for name, t in model.state_dict().items():

@@ -142,7 +142,7 @@ def test_the_switch_off_multiplies_the_file_values_plainly():
 @needs_library
 def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one():
     n, k = 16, 512
-    from minispec.quantized import set_weight
+    from minispec.forms import set_weight
     layer = torch.nn.Linear(k, n, bias=False)
     set_weight(layer, ggml.GgmlWeight("q4_k", torch.from_numpy(blocks("q4_k", n, k, 12)), k))
     model, plain_model = torch.nn.Sequential(layer), torch.nn.Sequential(torch.nn.Linear(k, n))

@@ -23,7 +23,7 @@ from test_quantized import TENSORS, quantized_gguf, rewrite
 from minispec import Transformer, quantized
 from minispec.checkpoint import CheckpointError
 from minispec.errors import GenerationError, InputError
-from minispec.kernels import RowWise, Stacked
+from minispec.forms import RowWise, Stacked
 
 from helpers import run_main
 

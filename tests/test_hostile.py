@@ -662,3 +662,17 @@ def test_tools_user_errors_are_one_line(tmp_path):
         r = subprocess.run([sys.executable, str(TOOLS / tool), str(src), str(tmp_path / "out"), "--quiet"],
                            capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 1 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("bad, what", [(float("nan"), "NaN or +inf"), (float("inf"), "NaN or +inf"), (None, None)])
+def test_unsampleable_logits_are_named_whatever_the_row(bad, what):
+    from minispec.errors import unsampleable
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[0, :10] = float("-inf")  # some -inf alone is a probability of 0: sampleable
+    if bad is not None:
+        logits[2, 49] = bad
+    assert unsampleable(logits) == what
+    logits[1] = float("-inf")  # a row with no token at all
+    assert unsampleable(logits) == (what or "-inf for every token")
+    logits[1, 3], logits[0, 0] = float("nan"), float("nan")  # NaN beside -inf: NaN is named
+    assert unsampleable(logits) == "NaN or +inf"

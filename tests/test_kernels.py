@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minispec import ModelConfig, Transformer, kernels
-from minispec.kernels import PRODUCTS, Int4Weight, linear, product_forms
+from minispec import ModelConfig, Transformer, forms, kernels
+from minispec.forms import Int4Weight
+from minispec.kernels import PRODUCTS, linear, product_forms
 
 from helpers import tiny_model
 
@@ -181,7 +182,7 @@ def test_switched_off_a_bfloat16_model_attends_in_one_call_and_int4_keeps_its_ke
     bf16 = Transformer(ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
                        dtype=torch.bfloat16)
     int4 = tiny_model(seed=5, dim=64, vocab_size=64)
-    if kernels.int4_supported("cpu"):
+    if forms.int4_supported("cpu"):
         int4.to_int4()
     tokens = [5, 17, 3, 40, 41, 8, 8, 60, 2, 33]
     fast = [_run(bf16, tokens), _run(int4, tokens)]
@@ -217,7 +218,7 @@ def test_the_switch_is_read_when_used_and_a_bad_value_says_what_it_takes(monkeyp
 
 def test_the_switch_governs_the_row_by_row_product(monkeypatch):
     """RowWise multiplies row by row only with the fast paths on; off, it is the one plain product."""
-    from minispec.kernels import RowWise
+    from minispec.forms import RowWise
     torch.manual_seed(0)
     w, x = torch.randn(24, 40), torch.randn(5, 40)
     calls = []

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from minispec import Transformer, ggml, kernels, quantized
 from minispec.checkpoint import CheckpointError
 from minispec.errors import InputError
-from minispec.kernels import Int4Weight, Int8Weight, Stacked
+from minispec.forms import Int4Weight, Int8Weight, Stacked
 
 from helpers import run_main
 from tiny_files import add_metadata, gpt2_vocab

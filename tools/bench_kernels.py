@@ -7,8 +7,8 @@ same in a pass of every row count as computed alone (a kept target's exactness n
 
 - `ggml q4_k`, `ggml q6_k`: a GGUF's own blocks through llama.cpp's kernels (minispec.ggml; skipped if the
   library is not built);
-- `aten int4`: PyTorch's `_weight_int4pack_mm_for_cpu` (kernels.Int4Weight, the int4 groups form);
-- `aten int8`: PyTorch's `_weight_int8pack_mm` (kernels.Int8Weight, the int8 rows form);
+- `aten int4`: PyTorch's `_weight_int4pack_mm_for_cpu` (forms.Int4Weight, the int4 groups form);
+- `aten int8`: PyTorch's `_weight_int8pack_mm` (forms.Int8Weight, the int8 rows form);
 - `bf16`, `fp32`: the dense float product (`F.linear`; fp32 through kernels.linear's probed form).
 
 Random weights (valid blocks); the timing, not the values, is the point. Run quiet, e.g. `nice -n -5
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minispec import ggml, kernels, quantized
+from minispec import forms, ggml, kernels, quantized
 
 SHAPES = {"q/o 1536x1536": (1536, 1536), "k/v 256x1536": (256, 1536), "gate/up 8960x1536": (8960, 1536),
           "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}
@@ -59,10 +59,10 @@ def candidates(n: int, k: int, seed: int) -> dict:
         for kind in ("q4_k", "q6_k"):
             gw = ggml.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
             out[f"ggml {kind}"] = (gw.product, gw.blocks.numel())
-    i4 = kernels.Int4Weight(w)
+    i4 = forms.Int4Weight(w)
     out["aten int4"] = (i4.product, i4.packed.numel() * i4.packed.element_size() + i4.scales.numel() * 2)
     parts = quantized.int8_rows(w)
-    i8 = kernels.Int8Weight(parts["q8"], parts["q8_scale"])
+    i8 = forms.Int8Weight(parts["q8"], parts["q8_scale"])
     out["aten int8"] = (i8.product, n * k + n * 2)
     wb = w.bfloat16()
     out["bf16"] = (lambda x: F.linear(x.bfloat16(), wb), n * k * 2)
