@@ -41,10 +41,11 @@ class ThreadTuner:
 
     def __init__(self, max_threads: int | None = None, decay: float = 0.8, min_gap: int = 8, max_gap: int = 256,
                  slow: float = 1.5, clock=time.perf_counter, set_threads=torch.set_num_threads,
-                 get_threads=torch.get_num_threads, idle=None):
+                 get_threads=torch.get_num_threads, idle=None, sleep=time.sleep):
         """max_threads: a fixed ceiling (a simulation's), or None: the caller's count, get_threads(), at each
         step. idle: a function giving the idle CPU-seconds so far of the CPUs this process may run on (see
-        idle_seconds), or None: no such information, every try is made."""
+        idle_seconds), or None: no such information, every try is made. sleep: how the first step waits while
+        it counts the idle cores (`first_count`)."""
         self.max_threads = max_threads
         self.decay, self.min_gap, self.max_gap, self.slow = decay, min_gap, max_gap, slow
         self.clock, self.set_threads, self.get_threads = clock, set_threads, get_threads
@@ -63,6 +64,7 @@ class ThreadTuner:
         self.ceiling = 0
         self.candidates: list[int] = []
         self.set_ceiling(max_threads or get_threads())
+        self.sleep = sleep
 
     def set_ceiling(self, top: int) -> None:
         """Tune within `top` threads: the candidates are top, top // 2, ... down to 1."""
@@ -89,7 +91,23 @@ class ThreadTuner:
     def best(self, kind: tuple) -> int:
         """The best count measured for this kind under the current ceiling (else where a new kind starts)."""
         means = self.mean.get((self.ceiling, kind))
-        return min(means, key=means.get) if means else self.last_best.get(self.ceiling) or self.candidates[0]
+        return min(means, key=means.get) if means else self.last_best.get(self.ceiling) or self.first_count()
+
+    FIRST_LOOK = 0.06  # seconds the first step of a process waits counting idle cores (6 ticks of Linux's 100 Hz)
+
+    def first_count(self) -> int:
+        """Where the first kind starts: as many threads as cores sat idle over a short wait (this process
+        asleep meanwhile), else the ceiling. Beside a busy process a first prefill at every thread would wait
+        on the descheduled one (3x a step at one thread)."""
+        if self.idle is None:
+            return self.candidates[0]
+        t0, i0 = self.clock(), self.idle()
+        self.sleep(self.FIRST_LOOK)
+        t1, i1 = self.clock(), self.idle()
+        if i0 is None or i1 is None or t1 <= t0:
+            return self.candidates[0]
+        spare = (i1 - i0) / (t1 - t0)
+        return next((n for n in self.candidates if spare >= n - 0.5), self.candidates[-1])
 
     def choose(self, kind: tuple) -> int:
         """The thread count for the next step of this kind: the best so far, or a try of another."""

@@ -115,6 +115,24 @@ def test_the_ceiling_is_the_callers_count_read_at_every_step():
     assert tuner.best(KIND) == 2
 
 
+def test_the_first_kind_starts_at_the_threads_the_idle_cores_take():
+    """The first step of a process (a prefill, once a call) starts at as many threads as cores sat idle over a
+    short wait: beside a busy process on a 2-core machine, at one."""
+    for idle_cores, first in ((0.0, 1), (1.0, 1), (1.4, 1), (1.7, 2), (2.0, 2)):
+        now = {"t": 0.0, "idle": 0.0}
+
+        def sleep(s, now=now, idle_cores=idle_cores):
+            now["t"] += s
+            now["idle"] += s * idle_cores
+        tuner = ThreadTuner(max_threads=2, clock=lambda now=now: now["t"], idle=lambda now=now: now["idle"],
+                            sleep=sleep)
+        assert tuner.choose(KIND) == first, idle_cores
+        tuner.record(KIND, first, 0.05)
+        assert tuner.choose(KIND[:-1] + ("other",)) == first  # a new kind starts where the last one ran
+    no_info = ThreadTuner(max_threads=2, idle=None)
+    assert no_info.choose(KIND) == 2  # no idle information: the caller's count
+
+
 def test_no_tries_of_more_threads_while_no_core_is_idle(tmp_path):
     """Where the machine reports idle time: under a lasting load two threads can only lose, so they are not
     tried until a core sits idle again; then a try sees the free core and the tuner moves back."""
