@@ -79,8 +79,6 @@ def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = 
 def kept_int4(model: Transformer, path: Path) -> Transformer:
     """`model` with every matrix the int4 kernel takes stored in the kept int4 form (minispec.quantized: groups of
     32, each group's range in 15 steps) at `path`, loaded back: an int4 target computed as a GGUF's would be."""
-    from safetensors.torch import save_file
-
     from minispec.forms import Int4Weight, int4_groups, pack_q4
 
     tensors = {}
@@ -90,6 +88,13 @@ def kept_int4(model: Transformer, path: Path) -> Transformer:
             tensors.update({f"{name}.q4": pack_q4(q), f"{name}.q4_scale": scale, f"{name}.q4_min": -lo})
         else:
             tensors[name] = t.contiguous()
+    return _saved_and_loaded(model, tensors, path)
+
+
+def _saved_and_loaded(model: Transformer, tensors: dict, path: Path) -> Transformer:
+    """`tensors` written as `model`'s checkpoint at `path` (its config beside them), loaded back."""
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True, exist_ok=True)
     model.config.save(str(path / "config.json"))
     save_file(tensors, str(path / "model.safetensors"))
@@ -102,7 +107,6 @@ def kept_blocks(model: Transformer, path: Path) -> Transformer:
     that library is built, as a kept GGUF's is."""
     import gguf
     import numpy as np
-    from safetensors.torch import save_file
 
     tensors = {}
     for name, t in model.state_dict().items():
@@ -111,10 +115,7 @@ def kept_blocks(model: Transformer, path: Path) -> Transformer:
             tensors[f"{name}.q8_0"] = torch.from_numpy(np.ascontiguousarray(raw))
         else:
             tensors[name] = t.contiguous()
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save(str(path / "config.json"))
-    save_file(tensors, str(path / "model.safetensors"))
-    return Transformer.from_pretrained(path)
+    return _saved_and_loaded(model, tensors, path)
 
 
 def tiny_pair() -> tuple[Transformer, Transformer]:
