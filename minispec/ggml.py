@@ -62,11 +62,12 @@ _local = threading.local()  # the product's own thread count inside a model step
 
 
 @contextlib.contextmanager
-def threads_for(model, n: int | None):
-    """A step of `model` at n threads: when it holds ggml matrices, the products run on their own n threads and
-    PyTorch at one thread meanwhile (PyTorch's OpenMP threads spin between regions on the very cores the
-    products' threads need: 2.8x slower steps measured at two and two), then PyTorch's count is set back."""
-    if n is None or not any(isinstance(getattr(m, "weight", None), GgmlWeight) for m in model.modules()):
+def threads_for(n: int | None):
+    """A step, at n threads, of a model whose matrices are (some of them) ggml's: the products run on their own
+    n threads and PyTorch at one thread meanwhile (PyTorch's OpenMP threads spin between regions on the very
+    cores the products' threads need: 2.8x slower steps measured at two and two), then PyTorch's count is set
+    back. n None: nothing changes."""
+    if n is None:
         yield
         return
     caller, before = torch.get_num_threads(), getattr(_local, "threads", None)

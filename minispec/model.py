@@ -197,6 +197,7 @@ class Transformer(nn.Module):
         # every pass computes a position exactly as a one-token pass does: norms and attention row by row (the
         # products' forms do their part: minispec.quantized.make_rows_alike sets this for a kept model)
         self.rows_alike = False
+        self.ggml_products = False  # some matrices multiplied by ggml's kernels (quantized.install sets it)
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -349,7 +350,7 @@ class Transformer(nn.Module):
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
         kind = (self.config.dim, self.config.n_layers, self.config.int4, self.rows_alike, len(seqs), T)
-        with tuned(kind, self.device) as n, kernels.resolved(), ggml.threads_for(self, n):
+        with tuned(kind, self.device) as n, kernels.resolved(), ggml.threads_for(n if self.ggml_products else None):
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:
                 return h

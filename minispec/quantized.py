@@ -340,6 +340,9 @@ def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torc
                                                    else RowWise(floats.pop(n).float().clone()) for n in trio]))
         else:
             set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
+    model.ggml_products = any(isinstance(w, ggml.GgmlWeight) or isinstance(w, Stacked) and any(
+        isinstance(p, ggml.GgmlWeight) for p in w.parts) for w in (
+        [getattr(m, "weight", None) for m in model.modules()] + [model.head_packed]))
 
 
 def make_rows_alike(model: nn.Module) -> None:

@@ -140,22 +140,33 @@ def test_the_switch_off_multiplies_the_file_values_plainly():
 
 
 @needs_library
-def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one():
-    n, k = 16, 512
-    from minispec.forms import set_weight
-    layer = torch.nn.Linear(k, n, bias=False)
-    set_weight(layer, ggml.GgmlWeight("q4_k", torch.from_numpy(blocks("q4_k", n, k, 12)), k))
-    model, plain_model = torch.nn.Sequential(layer), torch.nn.Sequential(torch.nn.Linear(k, n))
+def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
+    from helpers import kept_blocks, peaked_model
+    float_model = peaked_model(seed=3, vocab_size=64, dim=64)
+    kept = kept_blocks(float_model, tmp_path / "kept")
+    assert kept.ggml_products and not float_model.ggml_products  # the flag the step reads, set at load
+    seen = []
+    real = ggml.GgmlWeight.product
+
+    def product(self, rows):
+        seen.append((torch.get_num_threads(), ggml._local.threads))
+        return real(self, rows)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with ggml.threads_for(model, 2):
+        with ggml.threads_for(2):
             assert torch.get_num_threads() == 1 and ggml._local.threads == 2
         assert torch.get_num_threads() == 2 and ggml._local.threads is None  # the caller's count set back
-        with ggml.threads_for(plain_model, 2):  # no kept matrix: PyTorch keeps its count
+        with ggml.threads_for(None):  # a model without ggml's matrices: PyTorch keeps its count
             assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), ggml.threads_for(model, 2):
+        with pytest.raises(RuntimeError), ggml.threads_for(2):
             raise RuntimeError("a failed step")
+        ggml.GgmlWeight.product = product
+        try:
+            kept.generate([1, 2, 3], max_new_tokens=2)
+        finally:
+            ggml.GgmlWeight.product = real
+        assert seen and all(torch_n == 1 and own >= 1 for torch_n, own in seen)  # PyTorch at one in every step
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
