@@ -175,19 +175,26 @@ static void run_job(const struct job *jp, int threads) {
     pthread_mutex_unlock(&g_call);
 }
 
+// Quantizes each row of x to the kernel's activation type in scratch and runs the product (vec_dot, or the
+// repacked one-row product when `repacked`).
+static void product(int type, int repacked, const void *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                    float *y, void *scratch, int threads) {
+    const enum ggml_type vt = (enum ggml_type)ms_vec_dot_type(type);  // Q8_K for Q4_K, the repacked form's too
+    const size_t x_row = ggml_row_size(vt, k);
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(vt)->from_float;
+    for (int64_t r = 0; r < rows; r++) quantize(x + r * k, (uint8_t *)scratch + r * x_row, k);
+    struct job j = {repacked, ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot, (const uint8_t *)w,
+                    ggml_row_size((enum ggml_type)type, k), (const uint8_t *)scratch, x_row, n, k, rows, 1, y};
+    run_job(&j, threads);
+}
+
 // y (rows, n) float32 = x (rows, k) float32 times the (n, k) matrix w of `type` (its GGUF blocks, row-major),
 // transposed: y[r][c] = dot(w[c], x[r]) with x[r] quantized to the kernel's activation type in `scratch`
 // (rows * ms_row_size(ms_vec_dot_type(type), k) bytes). Returns 0, or -1 for a type without a kernel.
 int ms_matmul(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y, void *scratch,
               int threads) {
-    const int vt = ms_vec_dot_type(type);
-    if (vt < 0) return -1;
-    const size_t x_row = ggml_row_size((enum ggml_type)vt, k);
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu((enum ggml_type)vt)->from_float;
-    for (int64_t r = 0; r < rows; r++) quantize(x + r * k, (uint8_t *)scratch + r * x_row, k);
-    struct job j = {0, ggml_get_type_traits_cpu((enum ggml_type)type)->vec_dot, (const uint8_t *)w,
-                    ggml_row_size((enum ggml_type)type, k), (const uint8_t *)scratch, x_row, n, k, rows, 1, y};
-    run_job(&j, threads);
+    if (ms_vec_dot_type(type) < 0) return -1;
+    product(type, 0, w, n, k, x, rows, y, scratch, threads);
     return 0;
 }
 
@@ -237,12 +244,7 @@ int ms_repack(int type, const void *w, int64_t n, int64_t k, void *dst) {
 int ms_matmul_repacked(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
                        void *scratch, int threads) {
     if (!ms_repackable(type, n, k)) return -1;
-    const size_t x_row = ggml_row_size(GGML_TYPE_Q8_K, k);
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
-    for (int64_t r = 0; r < rows; r++) quantize(x + r * k, (uint8_t *)scratch + r * x_row, k);
-    struct job j = {1, NULL, (const uint8_t *)w, ggml_row_size((enum ggml_type)type, k), (const uint8_t *)scratch,
-                    x_row, n, k, rows, 1, y};
-    run_job(&j, threads);
+    product(type, 1, w, n, k, x, rows, y, scratch, threads);
     return 0;
 }
 
