@@ -39,7 +39,7 @@ from .equivalence import (
 from .equivalence.harness import check_window
 from .equivalence.http import ServerError, base_url
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
-from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_samples
+from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_drawing
 from .equivalence.openai import KINDS as REMOTE_KINDS
 from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_device
@@ -596,17 +596,19 @@ def _remote_audit(args, target, prompts: list[list[int]]):
     return drawing, report
 
 
-def _server_samples(args, target, prompts: list[list[int]]):
-    """The samples llama-server draws: a server started for the run (and stopped however it ends), or one at --url."""
+def _server_audit(args, target, prompts: list[list[int]], test: dict):
+    """llama-server's samples audited as they are drawn (a failed early-stop look ends the sampling): a server
+    started for the run (stopped however it ends), or one at --url."""
     kw = dict(samples=args.samples, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k or None,
               top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
               workers=args.concurrency or 4)
     if args.url is not None:
-        return server_samples(target, ServerClient(args.url), prompts, **kw)
+        return audit_samples(target, server_drawing(target, ServerClient(args.url), prompts, **kw), **test)
     k = args.k if args.server_draft is not None else 0
     with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
                      ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or 4) as server:
-        return server_samples(target, server.client, prompts, settings=server.settings, **kw)
+        drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
+        return audit_samples(target, drawing, **test)
 
 
 def _read_prompts(args) -> list[str]:
@@ -676,7 +678,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
             report = audit_samples(target, _remote_audit(args, target, prompts)[0], **test)
         elif args.engine == LLAMA_CPP:
             check_window(target, prompts, args.tokens)  # before the server starts
-            report = audit_samples(target, _server_samples(args, target, prompts), **test)
+            report = _server_audit(args, target, prompts, test)
         elif args.engine == "minispec":
             try:
                 draft = (args.draft if args.draft == PROMPT_LOOKUP

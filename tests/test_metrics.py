@@ -1,6 +1,6 @@
 """Drafting proven active on vLLM (its Prometheus /metrics spec-decode counters, read before and after the run) and
-early-stop looks on server audits (a Drawing scored as it is drawn), against the local stub servers of
-test_openai_engine. Fixed seeds: every verdict here is deterministic."""
+early-stop looks on server audits (a Drawing scored as it is drawn: --engine openai, sglang and llama.cpp), against
+the local stub servers of test_openai_engine. Fixed seeds: every verdict here is deterministic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from test_openai_engine import PARAMS, PROMPTS, Stub, T
 
-from minispec.equivalence import audit_samples
+from minispec.equivalence import audit_samples, read_samples
 from minispec.equivalence.http import ServerError
 from minispec.equivalence.openai import Drawing, Endpoint, metrics_delta, parse_metrics
 from minispec.equivalence.two_sample import audit, compare
@@ -179,3 +179,39 @@ def test_the_two_sample_audit_stops_a_broken_server_early_and_not_a_correct_one(
     q = r.sequential
     assert r.passed and not q["stopped_early"] and q["looks_taken"] == 2 and q["samples_tested"] == 300
     assert r.drafted == d.drafted > 0 and exact.requests == 300
+
+
+# --- llama.cpp's native engine (--engine llama.cpp --url): its /completion drawn as the audit scores it too -------
+
+LLAMA = ("--engine", "llama.cpp", "--tokens", str(T), "--temperature", "0.7", "--top-k", "8", "--power-runs", "0",
+         "--prompt-ids", "1,5,2,7,3", "--batch-size", "100", "--no-reference", "--json")
+
+
+def test_a_broken_llama_server_stops_at_the_first_look(stubs, tmp_path, capsys):
+    stub = stubs("llama-server", "argmax")
+    stub.target.save_pretrained(tmp_path / "t")
+    saved = tmp_path / "tested.jsonl"
+    assert main(["--target", str(tmp_path / "t"), "--url", stub.url, "--samples", "1000", *LLAMA,
+                 "--save-samples", str(saved)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    q = report["sequential"]
+    assert not report["passed"] and q["stopped_early"] and q["looks_taken"] == 1 and q["samples_tested"] == 100
+    assert q["interim_looks"] == 9 and stub.requests < 300  # the chunk scored, the next drawn meanwhile, no more
+    assert report["settings"]["engine"] == "llama.cpp" and report["settings"]["engine_version"] == "b0-stub"
+    cfg = stub.target.config
+    tested = read_samples(saved, cfg.vocab_size, cfg.max_seq_len, 10)
+    assert len(tested.tokens) == 100 and tested.settings["engine"] == "llama.cpp"
+
+
+def test_an_exact_llama_server_takes_every_look_and_passes(stubs, tmp_path, capsys):
+    stub = stubs("llama-server")
+    stub.target.save_pretrained(tmp_path / "t")
+    assert main(["--target", str(tmp_path / "t"), "--url", stub.url, "--samples", "300", *LLAMA]) == 0
+    report = json.loads(capsys.readouterr().out)
+    q = report["sequential"]
+    assert report["passed"] and not q["stopped_early"] and q["looks_taken"] == 2 and q["samples_tested"] == 300
+    assert stub.requests == 300 and report["drafted"] == stub.drafted > 0 and report["accepted"] == stub.accepted
+    extra = report["settings"]["engine_settings"]
+    assert extra["model_check"]["prob_difference"] < 1e-2  # checked before any sampling, through /completion
+    assert extra["speculation"]["acceptance_rate"] == stub.accepted / stub.drafted
+    assert extra["samplers"] == ["temperature", "top_k", "top_p"] and "logit bias -inf" in extra["ignore_eos"]

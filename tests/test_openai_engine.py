@@ -3,7 +3,8 @@ local stub servers written from the documented response shapes:
 
 - vLLM's /v1/completions (`logprobs.tokens` as "token_id:ID" with return_tokens_as_token_ids, `usage`) and
   /v1/models; llama.cpp's /v1/completions (`logprobs.content[].id`, `timings.draft_n`); SGLang's /generate
-  (`output_ids`, `meta_info.finish_reason`, `completion_tokens`, `spec_verify_ct`).
+  (`output_ids`, `meta_info.finish_reason`, `completion_tokens`, `spec_verify_ct`); llama-server's native
+  /completion (`tokens`, `timings`, `completion_probabilities` with n_probs), /props and /v1/models' `meta`.
 
 The stubs sample with minispec on the tiny pair, honouring the request's settings and seed (or, as negative
 controls, breaking them): exact samples pass both audits (with the target: the PIT; without: two-sample against a
@@ -42,7 +43,8 @@ class Quiet(ThreadingHTTPServer):
 
 
 class Stub:
-    """A local server in one engine's shape ("vllm", "llama.cpp" or "sglang") sampling the tiny pair; `how` breaks
+    """A local server in one engine's shape ("vllm", "llama.cpp", "sglang", or "llama-server": llama.cpp's native
+    /completion) sampling the tiny pair; `how` breaks
     it: a control sampler's name, "ignores-seed", "top-k-2" (another top-k than asked), "malformed", "short",
     "slow", "500", "no-ids", "plain" (no draft: reports 0 drafted).
 
@@ -65,7 +67,11 @@ class Stub:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                    cfg = stub.target.config
+                    meta = {"n_vocab": cfg.vocab_size, "n_embd": cfg.dim, "n_params": stub.target.weight_count()}
+                    self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "meta": meta}]})
+                elif self.path == "/props":
+                    self._send(200, {"build_info": "b0-stub"})
                 elif self.path == "/metrics" and stub.metrics is not None:
                     text = stub.prometheus()
                     self._send(200, text if isinstance(text, bytes) else text.encode())
@@ -89,7 +95,7 @@ class Stub:
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{port}" + ("" if shape == "sglang" else "/v1")
+        self.url = f"http://127.0.0.1:{port}" + ("" if shape in ("sglang", "llama-server") else "/v1")
 
     def close(self):
         self.server.shutdown()
@@ -145,9 +151,12 @@ class Stub:
         if self.how == "other-model":  # another model's weights serve: its probabilities differ
             self.target = tiny_pair()[1]
             self.how = "exact"
-        if body.get("top_logprobs_num") or (body.get("logprobs") or 0) > 1:
+        if body.get("top_logprobs_num") or (body.get("logprobs") or 0) > 1 or (
+                self.shape == "llama-server" and body.get("n_probs")):
             prompt = body.get("input_ids") or body["prompt"]
             top = self.top(prompt, 20)
+            if self.shape == "llama-server":
+                return 200, {"completion_probabilities": [{"top_logprobs": [{"id": i, "logprob": v} for i, v in top]}]}
             if self.shape == "sglang":
                 return 200, {"output_ids": [top[0][0]], "meta_info": {"output_top_logprobs": [
                     [[v, i, "x"] for i, v in top]], "finish_reason": {"type": "length"}}}
@@ -162,6 +171,10 @@ class Stub:
             time.sleep(3)
         if self.how == "malformed":
             return 200, b'{"choices": [{"text": "x"'
+        if self.shape == "llama-server":
+            ids, d, a = self._sample(body["prompt"], body["n_predict"], body["temperature"], body["top_k"],
+                                     body["top_p"], body.get("seed"))
+            return 200, {"tokens": ids, "stop_type": "limit", "timings": {"draft_n": d, "draft_n_accepted": a}}
         if self.shape == "sglang":
             sp = body["sampling_params"]
             ids, d, a = self._sample(body["input_ids"], sp["max_new_tokens"], sp["temperature"], sp["top_k"],
@@ -314,3 +327,41 @@ def test_the_model_is_the_first_listed_unless_named(stubs):
     assert Endpoint(stub.url).model == "tiny"
     with pytest.raises(ServerError, match="answered as model 'tiny', 'other' was asked for"):
         draw(Endpoint(stub.url, model="other"), PROMPTS, [2], T, PARAMS, 0, 32)
+
+
+def test_llama_servers_native_completion_is_a_kind_of_endpoint(stubs):
+    """kind "llama.cpp": llama_server's request body and checks through the one Drawing; server_samples draws the
+    same samples for the same seed, and the model check goes through llama_server's."""
+    from minispec.equivalence import llama_server
+
+    stub = stubs("llama-server")
+    endpoint = Endpoint(stub.url, "llama.cpp", deadline=30.0)
+    drawn = draw(endpoint, PROMPTS, [100], T, PARAMS, 7, stub.target.config.vocab_size, concurrency=4)
+    assert drawn.samples.settings["engine"] == "llama.cpp" and 0 < drawn.accepted <= drawn.drafted
+    assert drawn.samples.settings["speculation"]["acceptance_rate"] == drawn.accepted / drawn.drafted
+    assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
+    same = llama_server.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
+                                       samples=100, tokens=T, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
+                                       top_p=None, seed=7, workers=2)
+    assert same.tokens == drawn.samples.tokens and same.settings["engine_version"] == "b0-stub"
+    assert same.settings["model_check"]["prob_difference"] < 1e-5
+    assert check_same_model(endpoint, stub.target, PROMPTS[0])["n_vocab"] == stub.target.config.vocab_size
+    with pytest.raises(llama_server.ModelMismatchError, match="next-token probabilities after the first prompt differ"):
+        check_same_model(Endpoint(stubs("llama-server", "other-model").url, "llama.cpp"), stub.target, PROMPTS[0])
+
+
+def test_a_drawing_builds_nothing_per_sample_up_front():
+    """A hundred million samples asked: making the Drawing costs no memory and sends nothing (no server listens)."""
+    import tracemalloc
+
+    from minispec.equivalence.openai import Drawing
+
+    tracemalloc.start()
+    try:
+        for endpoint in (Endpoint("http://127.0.0.1:9/v1", model="tiny"), Endpoint("http://127.0.0.1:9", "llama.cpp")):
+            d = Drawing(endpoint, PROMPTS, [10**8], T, PARAMS, 0, 32, concurrency=4)
+            assert d.total == 10**8 and d.pairs == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

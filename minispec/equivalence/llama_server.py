@@ -1,10 +1,12 @@
 """llama.cpp's `llama-server` as an engine under test: samples drawn over its HTTP API, as token ids.
 
-`server_samples` returns a SampleSet, which `harness.audit_samples` tests like a samples file:
+`server_drawing` returns a Drawing (minispec.equivalence.openai) that `harness.audit_samples` draws as it scores,
+with the early-stop looks, so a clearly broken server is not sampled to the end; `server_samples` draws every
+sample at once into a SampleSet, tested like a samples file:
 
     with LlamaServer(model="target.gguf", draft="draft.gguf", k=4) as server:   # or ServerClient(url)
-        samples = server_samples(target, server.client, prompts, samples=2000, tokens=8, temperature=0.7, top_k=50)
-    report = audit_samples(target, samples)
+        drawing = server_drawing(target, server.client, prompts, samples=2000, tokens=8, temperature=0.7, top_k=50)
+        report = audit_samples(target, drawing)   # inside the block: the server draws as the audit reads
 
 `LlamaServer` starts the server on a free port of 127.0.0.1 and stops it however the block ends
 (success, error, Ctrl-C): terminate, then kill, then wait, so no process and no bound port stay
@@ -31,14 +33,12 @@ failure of the audit; the report states this caveat in its engine settings.
 Every request goes through minispec.equivalence.http (a deadline for the whole answer, a cap on its size, JSON
 with finite numbers only), and every number an answer holds is checked before it is used. Every failure raises
 `ServerError` (an InputError, so the command line prints one line and exits with status 1); a server running
-another model than the target raises `ModelMismatchError`. The requests run in daemon threads that a failure or
-Ctrl-C ends at once (`http.Cancel`), so a stuck server cannot keep the process alive.
+another model than the target raises `ModelMismatchError`. The requests run in the Drawing's daemon threads, which
+a failure, an early stop or Ctrl-C ends at once (`http.Cancel`), so a stuck server cannot keep the process alive.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 import os
 import re
@@ -48,7 +48,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ import torch
 from ..errors import check_int, is_int, is_number, show
 from ..sampling import SamplingParams
 from .http import MAX_BYTES, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
-from .samples import SampleSet, group
+from .samples import SampleSet
 
 ENGINE = "llama.cpp"
 BINARY = "llama-server"
@@ -369,72 +368,6 @@ def draft_counts(resp: dict, tokens: int, server: str) -> tuple[int, int]:
     return n, a
 
 
-def _draw(client: ServerClient, prompts, counts, tokens: int, params: SamplingParams, seed: int, vocab_size: int,
-          workers: int, bar=None) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """Every sample, sample g (prompt-major) seeded seed + g, `workers` requests in flight. Returns the (prompt, ids)
-    pairs and the draft tokens the server reports it drafted and accepted (its responses' timings).
-
-    The jobs are made as the workers take them, not up front. The workers are daemon threads and the main thread
-    waits in short, interruptible steps: an error in any request or Ctrl-C ends every request in flight at once
-    (`Cancel`), and nothing left waiting on the server can keep the process alive."""
-    total = sum(counts)
-    ends = list(itertools.accumulate(counts))
-    out: dict[int, list[int]] = {}
-    drafts = {"drafted": 0, "accepted": 0}
-    lock = threading.Lock()
-    jobs = itertools.count()
-    failures: list[BaseException] = []
-    done = threading.Event()
-    cancel = Cancel()
-    n_workers = min(workers, total)
-    running = [n_workers]
-
-    def work() -> None:
-        try:
-            while not cancel.cancelled:
-                with lock:
-                    g = next(jobs)
-                if g >= total:
-                    return
-                prompt = prompts[bisect.bisect_right(ends, g)]
-                resp = client.post("/completion", request_body(prompt, tokens, params, seed + g), cancel=cancel)
-                ids = parse_tokens(resp, tokens, vocab_size)
-                n, a = draft_counts(resp, tokens, client.name)
-                with lock:
-                    out[g] = ids
-                    drafts["drafted"] += n
-                    drafts["accepted"] += a
-                    if bar is not None:
-                        bar.update(1)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
-            with lock:
-                failures.append(e)
-            cancel()
-        finally:
-            with lock:
-                running[0] -= 1
-                if running[0] == 0 or failures:
-                    done.set()
-
-    threads = [threading.Thread(target=work, name=f"llama-server-request-{i}", daemon=True) for i in range(n_workers)]
-    try:
-        for t in threads:
-            t.start()
-        while not done.wait(0.25):  # short waits: Ctrl-C reaches the main thread between them
-            pass
-        if failures:
-            raise failures[0]
-    finally:
-        cancel()
-        stop = time.monotonic() + 2.0
-        for t in threads:
-            t.join(max(0.0, stop - time.monotonic()))
-        if bar is not None:
-            bar.close()
-    pairs = [(prompts[bisect.bisect_right(ends, g)], out[g]) for g in range(total)]
-    return pairs, drafts
-
-
 def _model_meta(client: ServerClient) -> dict:
     models = client.get("/v1/models")
     try:
@@ -518,14 +451,18 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
     return info
 
 
-def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+def server_drawing(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
                    temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
-                   model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
-    """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as the
-    SampleSet audit_samples tests (engine "llama.cpp", its build as engine_version, `settings` added to the
-    settings line, and "speculation": the draft tokens drafted and accepted, when the server drafted any or was
-    started with a draft, `settings["server_draft"]`). The
-    model is checked first unless model_check is False. Raises ServerError."""
+                   model_check: bool = True, settings: dict | None = None, progress: bool = False):
+    """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as a Drawing
+    (minispec.equivalence.openai, kind "llama.cpp") that draws them as it is read: `audit_samples(target, drawing)`
+    scores them chunk by chunk with the early-stop looks, so a clearly broken server stops being sampled at the
+    first look that fails. Its settings line: engine "llama.cpp", the server's build as engine_version, `settings`
+    added, the model check, and once drawn "speculation" (the draft tokens drafted and accepted, when the server
+    drafted any or was started with a draft, `settings["server_draft"]`). The arguments are checked and the
+    model is checked (unless model_check is False) here, before any sampling. Raises ServerError."""
+    from .openai import Drawing, Endpoint  # that module builds its requests from this one's
+
     params = SamplingParams(temperature, top_k, top_p)
     check_int("samples", samples, 1, error=ServerError)
     check_int("tokens", tokens, 1, error=ServerError)
@@ -534,20 +471,20 @@ def server_samples(target, client: ServerClient, prompts: list[list[int]], sampl
     last = seed + samples * len(prompts) - 1
     if not 0 <= seed or last > MAX_SEED:
         raise ServerError(f"llama.cpp's seeds are 32-bit: seed + samples - 1 = {last} exceeds {MAX_SEED}")
-    head = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "new_tokens": tokens,
-            "engine": ENGINE, "engine_version": client.version(), "seed": seed, "url": client.url,
-            "samplers": SAMPLERS, "ignore_eos": "end-of-generation tokens masked (logit bias -inf)",
-            **(settings or {})}
+    head = {"engine_version": client.version(), **(settings or {})}
     head["model_check"] = check_same_model(client, target, prompts[0]) if model_check else "skipped"
     bar = None
     if progress:
-        import sys
-
         from tqdm import tqdm
         bar = tqdm(total=samples * len(prompts), desc=ENGINE, unit="sample", file=sys.stderr, dynamic_ncols=True)
-    pairs, drafts = _draw(client, prompts, [samples] * len(prompts), tokens, params, seed, target.config.vocab_size,
-                          workers, bar)
-    if drafts["drafted"] or head.get("server_draft"):  # a draft that drafted nothing is stated (the report notes it)
-        head["speculation"] = {**drafts, "acceptance_rate": drafts["accepted"] / drafts["drafted"]
-                               if drafts["drafted"] else None}
-    return group(head, pairs, f"{ENGINE} server {client.url}")
+    return Drawing(Endpoint(client.url, ENGINE, client=client), prompts, [samples] * len(prompts), tokens, params,
+                   seed, target.config.vocab_size, concurrency=workers, settings=head, bar=bar)
+
+
+def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
+                   model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
+    """Every sample of `server_drawing` (the same arguments), drawn now: the SampleSet audit_samples tests like a
+    samples file. Raises ServerError."""
+    return server_drawing(target, client, prompts, samples, tokens, temperature, top_k, top_p, seed, workers,
+                          model_check, settings, progress).run().samples

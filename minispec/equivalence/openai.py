@@ -1,4 +1,5 @@
-"""Deployed engines reached by protocol: an OpenAI-compatible completions endpoint, or SGLang's native /generate.
+"""Deployed engines reached by protocol: an OpenAI-compatible completions endpoint, SGLang's native /generate, or
+llama-server's native /completion.
 
     endpoint = Endpoint("http://10.0.0.5:8000/v1", kind="openai")            # vLLM, llama.cpp, SGLang, ...
     drawn = draw(endpoint, prompts, counts=[500], tokens=8, params=SamplingParams(0.7, 50, None), seed=0,
@@ -6,7 +7,9 @@
     drawn.samples            # a SampleSet, for harness.audit_samples (with the target) or two_sample.compare
 
 `kind="openai"` POSTs `BASE/completions` (BASE ends in /v1; the model named by `model`, default the first of
-`BASE/models`); `kind="sglang"` POSTs `BASE/generate` with `input_ids` and `sampling_params`. Every request:
+`BASE/models`); `kind="sglang"` POSTs `BASE/generate` with `input_ids` and `sampling_params`; `kind="llama.cpp"`
+POSTs the server's `/completion` through a llama_server.ServerClient (`client`), with the body of
+llama_server.request_body, the ids of its `tokens` and the draft counts of its `timings`. Every request:
 
 - the prompt as token ids, never text, and its own seed (sample g: seed + g; with `mixed_seeds` every other
   sample goes unseeded, as a batch mixing seeded and unseeded requests does);
@@ -26,26 +29,31 @@ nothing (vLLM) the server's Prometheus `/metrics` spec-decode counters read befo
 `vllm:spec_decode_num_draft_tokens_total` / `..._accepted_tokens_total`); None where it tells nothing.
 
 `Drawing` draws as it is read (`chunks`), so an audit whose early-stop look fails ends the sampling there;
-`draw` draws everything at once.
+`draw` draws everything at once. Its requests run in daemon threads that a failure, a stopped reader or Ctrl-C
+ends at once (`http.Cancel`), so a server that never answers cannot keep the process alive.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import is_int, show
 from ..sampling import SamplingParams
+from . import llama_server
 from .http import Cancel, ServerError, base_url, check_seconds, get_json, get_text
-from .llama_server import OFF, SAMPLERS
+from .llama_server import OFF, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
 from .samples import SampleSet, group
 
-KINDS = ("openai", "sglang")
+KINDS = ("openai", "sglang")  # the command line's --engine names for these; llama.cpp has its own (llama_server)
+LLAMA_CPP = llama_server.ENGINE  # llama-server's native /completion
 MAX_SEED = 2**32 - 2  # the smallest seed range of the engines (llama.cpp's uint32, 0xFFFFFFFF meaning random)
 # llama.cpp's stages, off, minus what the OpenAI body states in its own words (logit_bias, stop, n_probs)
 LLAMA_OFF = {k: v for k, v in OFF.items() if k not in ("logit_bias", "stop", "n_probs")}
@@ -63,21 +71,35 @@ class Drawn:
 
 class Endpoint:
     """One server under test. kind "openai": `url` is BASE (ending in /v1) of /completions and /models; kind
-    "sglang": `url` is the server's root, /generate. deadline: seconds per request, the whole answer."""
+    "sglang": `url` is the server's root, /generate; kind "llama.cpp": `url` is the root of a llama-server, whose
+    /completion is reached through `client` (a llama_server.ServerClient, made from url and deadline when None:
+    give the one of a started LlamaServer, so that a crash reads as one). deadline: seconds per request, the whole
+    answer."""
 
     def __init__(self, url: str, kind: str = "openai", model: str | None = None, deadline: float = 300.0,
-                 cancel: Cancel | None = None):
-        if kind not in KINDS:
-            raise ServerError(f"kind must be one of {', '.join(KINDS)}; got {show(kind)}")
+                 cancel: Cancel | None = None, client: ServerClient | None = None):
+        if kind not in (*KINDS, LLAMA_CPP):
+            raise ServerError(f"kind must be one of {', '.join((*KINDS, LLAMA_CPP))}; got {show(kind)}")
+        self.cancel = cancel or Cancel()
+        self.kind, self.model, self.client = kind, model, client
+        if kind == LLAMA_CPP:
+            self.client = client or ServerClient(url, timeout=deadline)
+            self.url, self.deadline, self.name = self.client.url, self.client.timeout, self.client.name
+            return
         root = base_url(url)
         path = url.strip().split(root.split("://", 1)[1], 1)[-1].rstrip("/") if "://" in url else ""
-        self.url, self.kind = root + path, kind
+        self.url = root + path
         self.deadline = check_seconds(deadline, "the request deadline")
         self.name = f"{'SGLang' if kind == 'sglang' else 'the OpenAI-compatible server'} at {self.url}"
-        self.cancel = cancel or Cancel()
-        self.model = model
         if kind == "openai" and model is None:
             self.model = self.models()[0]
+
+    @property
+    def stated(self) -> dict:
+        """What a drawing's settings line states about this endpoint's requests."""
+        if self.kind == LLAMA_CPP:
+            return {"samplers": SAMPLERS, "ignore_eos": "end-of-generation tokens masked (logit bias -inf)"}
+        return {"model": self.model}
 
     def _get(self, path: str, payload=None):
         return get_json(self.url + path, payload, deadline=self.deadline, server_name=self.name, cancel=self.cancel)
@@ -94,6 +116,11 @@ class Endpoint:
 
     def body(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None) -> dict:
         """One request: exactly the stated settings, every other sampler stage off, end tokens ignored."""
+        if self.kind == LLAMA_CPP:
+            body = request_body(prompt, tokens, params, 0 if seed is None else seed)
+            if seed is None:
+                del body["seed"]  # unseeded (mixed_seeds): the server picks one
+            return body
         top_k = -1 if params.top_k is None else params.top_k  # off for vLLM, SGLang and llama.cpp (k <= 0) alike
         top_p = 1.0 if params.top_p is None else params.top_p
         if self.kind == "sglang":
@@ -117,6 +144,9 @@ class Endpoint:
     def sample(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None,
                vocab_size: int) -> tuple[list[int], int | None, int | None]:
         """One sample: its ids, and the draft tokens drafted and accepted the engine reported (or None)."""
+        if self.kind == LLAMA_CPP:
+            resp = self.client.post("/completion", self.body(prompt, tokens, params, seed), cancel=self.cancel)
+            return (parse_tokens(resp, tokens, vocab_size), *draft_counts(resp, tokens, self.name))
         if self.kind == "sglang":
             return parse_sglang(self._get("/generate", self.body(prompt, tokens, params, seed)), tokens, vocab_size,
                                 self.name)
@@ -171,7 +201,10 @@ def top_probs(endpoint: Endpoint, prompt: list[int], vocab_size: int) -> dict[in
 
 def check_same_model(endpoint: Endpoint, target, prompt: list[int]) -> dict:
     """The server's next-token probabilities after `prompt` against the target's (temperature 1, unfiltered):
-    within PROB_TOLERANCE, else ModelMismatch naming the difference. Returns what was compared."""
+    within PROB_TOLERANCE, else ModelMismatch naming the difference. Returns what was compared. A llama.cpp
+    endpoint gets llama_server.check_same_model (sizes, token texts and probabilities through its native API)."""
+    if endpoint.kind == LLAMA_CPP:
+        return llama_server.check_same_model(endpoint.client, target, prompt)
     theirs = top_probs(endpoint, prompt, target.config.vocab_size)
     with torch.inference_mode():
         ours = target(torch.tensor([prompt], device=target.device))[0, -1].float().softmax(-1).cpu()
@@ -375,28 +408,40 @@ def metrics_delta(before: dict | None, after: dict | None, where: str) -> dict |
 class Drawing:
     """counts[j] samples after prompts[j] (sample g prompt-major, seeded seed + g; unseeded for odd g with
     mixed_seeds), `concurrency` requests in flight, drawn as `chunks` is read: stopping reading stops the
-    sampling (the requests in flight ended at once). `settings` is the SampleSet's settings line (engine "openai"
-    or "sglang", the settings written out, extra `settings` added); once the drawing ends, `drafted` and
-    `accepted` are the draft tokens the engine reported (None: it tells nothing), also in settings["speculation"].
-    `run()` draws every sample at once. The first failure stops the rest and is raised."""
+    sampling (the requests in flight ended at once). `settings` is the SampleSet's settings line (engine "openai",
+    "sglang" or "llama.cpp", the settings written out, extra `settings` added); once the drawing ends, `drafted`
+    and `accepted` are the draft tokens the engine reported (None: it tells nothing), also in
+    settings["speculation"] with their acceptance rate (llama.cpp's answers always carry counts, so there a zero is
+    stated only for a server started with a draft, settings["server_draft"]). `run()` draws every sample at once.
+    The first failure stops the rest and is raised. Nothing is built per sample up front: a job is made as a
+    request thread takes it."""
 
     def __init__(self, endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens: int,
                  params: SamplingParams, seed: int, vocab_size: int, concurrency: int = 1, mixed_seeds: bool = False,
                  settings: dict | None = None, bar=None):
         if not is_int(concurrency) or concurrency < 1:
             raise ServerError(f"concurrency must be an integer >= 1, got {show(concurrency)}")
-        self.jobs = [(p, seed + g) for g, p in enumerate(p for p, n in zip(prompts, counts) for _ in range(n))]
-        check_seed_range(seed, len(self.jobs))
-        self.endpoint, self.tokens, self.params, self.vocab_size = endpoint, tokens, params, vocab_size
-        self.concurrency, self.mixed_seeds, self.bar = concurrency, mixed_seeds, bar
         self.prompts, self.counts = [list(p) for p in prompts], list(counts)
+        self.total = sum(self.counts)
+        check_seed_range(seed, self.total)
+        self.endpoint, self.tokens, self.params, self.vocab_size = endpoint, tokens, params, vocab_size
+        self.seed, self.concurrency, self.mixed_seeds, self.bar = seed, concurrency, mixed_seeds, bar
         self.settings = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                          "new_tokens": tokens, "engine": endpoint.kind, "engine_version": None, "url": endpoint.url,
-                         "model": endpoint.model, "seed": seed, "mixed_seeds": mixed_seeds,
-                         "concurrency": concurrency, **(settings or {})}
+                         **endpoint.stated, "seed": seed, "mixed_seeds": mixed_seeds, "concurrency": concurrency,
+                         **(settings or {})}
         self.pairs: list = []  # (prompt, ids) drawn so far, in order
         self.drafted = self.accepted = None
         self.started = False
+
+    def _bounds(self, size: int | None):
+        """(prompt index, first sample, end) of each chunk, made as they are reached."""
+        g = 0
+        for j, n in enumerate(self.counts):
+            b = size or max(n, 1)
+            for s in range(0, n, b):
+                yield j, g + s, g + min(n, s + b)
+            g += n
 
     def chunks(self, size: int | None = None):
         """(prompt, [ids, ...]) for up to `size` consecutive samples of one prompt at a time (all of a prompt's
@@ -404,67 +449,100 @@ class Drawing:
         if self.started:
             raise ServerError("a Drawing is drawn once")
         self.started = True
-        sizes = [size or max(self.counts, default=1)] * len(self.counts)
-        bounds, g = [], 0
-        for n, b in zip(self.counts, sizes):
-            bounds += [(g + s, g + min(n, s + b)) for s in range(0, n, b)]
-            g += n
         before = read_metrics(self.endpoint) if self.endpoint.kind == "openai" else None
-        out: list = [None] * len(self.jobs)
+        ends = list(itertools.accumulate(self.counts))
+        cond = threading.Condition()
+        out: dict[int, list[int]] = {}  # drawn and not yet read, by sample index
+        state = {"next": 0, "horizon": 0, "stop": False}  # the next job; jobs below horizon may be drawn
+        failures: list[BaseException] = []
         drafts = {"drafted": 0, "accepted": 0, "unknown_drafted": 0, "unknown_accepted": 0}
-        lock = threading.Lock()
 
-        def one(i: int) -> None:
-            p, s = self.jobs[i]
-            ids, d, a = self.endpoint.sample(p, self.tokens, self.params, None if self.mixed_seeds and i % 2 else s,
-                                             self.vocab_size)
-            out[i] = ids
-            with lock:
-                for key, v in (("drafted", d), ("accepted", a)):
-                    if v is None:
-                        drafts[f"unknown_{key}"] += 1
-                    else:
-                        drafts[key] += v
-                if self.bar is not None:
-                    self.bar.update(1)
+        def work() -> None:
+            try:
+                while True:
+                    with cond:
+                        while not state["stop"] and state["horizon"] <= state["next"] < self.total:
+                            cond.wait()
+                        if state["stop"] or state["next"] >= self.total:
+                            return
+                        g = state["next"]
+                        state["next"] += 1
+                    ids, d, a = self.endpoint.sample(self.prompts[bisect.bisect_right(ends, g)], self.tokens,
+                                                     self.params, None if self.mixed_seeds and g % 2 else self.seed + g,
+                                                     self.vocab_size)
+                    with cond:
+                        out[g] = ids
+                        for key, v in (("drafted", d), ("accepted", a)):
+                            if v is None:
+                                drafts[f"unknown_{key}"] += 1
+                            else:
+                                drafts[key] += v
+                        if self.bar is not None:
+                            self.bar.update(1)
+                        cond.notify_all()
+            except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+                with cond:
+                    failures.append(e)
+                    state["stop"] = True
+                    cond.notify_all()
+                self.endpoint.cancel()
 
-        pool = ThreadPoolExecutor(max_workers=self.concurrency)
-        futures: list = []
+        # daemon threads: a request stuck on a server that never answers cannot hold the process at its exit
+        threads = [threading.Thread(target=work, name=f"{self.endpoint.kind}-request-{i}", daemon=True)
+                   for i in range(min(self.concurrency, self.total))]
         try:
-            for c, (lo, hi) in enumerate(bounds):
-                ahead = bounds[c + 1][1] if c + 1 < len(bounds) else hi  # the next chunk is drawn meanwhile
-                futures += [pool.submit(one, i) for i in range(len(futures), max(ahead, hi))]
-                wait(futures[lo:hi], return_when=FIRST_EXCEPTION)
-                failed = next((f.exception() for f in futures[lo:hi] if f.done() and f.exception()), None)
-                if failed is not None:
-                    raise failed
-                chunk = [out[i] for i in range(lo, hi)]
-                self.pairs += [(self.jobs[i][0], t) for i, t in zip(range(lo, hi), chunk)]
-                yield self.jobs[lo][0], chunk
+            for t in threads:
+                t.start()
+            bounds = self._bounds(size)
+            here = next(bounds, None)
+            while here is not None:
+                ahead = next(bounds, None)
+                j, lo, hi = here
+                with cond:  # the next chunk is drawn meanwhile
+                    state["horizon"] = (ahead or here)[2]
+                    cond.notify_all()
+                chunk: list = []
+                with cond:
+                    while len(chunk) < hi - lo:
+                        if lo + len(chunk) in out:
+                            chunk.append(out.pop(lo + len(chunk)))
+                        elif failures:
+                            raise failures[0]
+                        else:
+                            cond.wait(0.25)  # short waits: Ctrl-C reaches the main thread between them
+                self.pairs += [(self.prompts[j], t) for t in chunk]
+                yield self.prompts[j], chunk
+                here = ahead
         except GeneratorExit:  # the reader stopped (an early-stop look failed): so does the sampling
             self.endpoint.cancel()
         except BaseException:
             self.endpoint.cancel()  # every request still in flight ends now: no thread outlives the run for long
             raise
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            with cond:
+                state["stop"] = True
+                cond.notify_all()
+            stop = time.monotonic() + 2.0
+            for t in threads:
+                t.join(max(0.0, stop - time.monotonic()))
             if self.bar is not None:
                 self.bar.close()
-        with lock:  # stopped early: the requests that finished (some drawn ahead, never read) are what counted
+        with cond:  # stopped early: the requests that finished (some drawn ahead, never read) are what counted
             known = lambda key: None if drafts[f"unknown_{key}"] else drafts[key]  # noqa: E731
             self.drafted, self.accepted = known("drafted"), known("accepted")
         if self.drafted is None and before is not None:
             delta = metrics_delta(before, read_metrics(self.endpoint), self.endpoint.name)
             self.drafted, self.accepted = delta["drafted"], delta["accepted"]
-        if self.drafted is not None:
-            self.settings["speculation"] = {"drafted": self.drafted, "accepted": self.accepted}
+        quiet = self.endpoint.kind == LLAMA_CPP and not self.drafted and not self.settings.get("server_draft")
+        if self.drafted is not None and not quiet:
+            self.settings["speculation"] = {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate":
+                                            self.accepted / self.drafted if self.drafted else None}
 
     def run(self) -> Drawn:
         """Every sample, drawn now."""
         for _ in self.chunks():
             pass
-        return Drawn(group(self.settings, self.pairs, self.endpoint.name), self.drafted, self.accepted,
-                     len(self.jobs))
+        return Drawn(group(self.settings, self.pairs, self.endpoint.name), self.drafted, self.accepted, self.total)
 
 
 def draw(endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens: int, params: SamplingParams,
