@@ -39,8 +39,9 @@ from .equivalence import (
 from .equivalence.harness import check_window
 from .equivalence.http import ServerError, base_url
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
-from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_drawing
+from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size
 from .equivalence.openai import KINDS as REMOTE_KINDS
+from .equivalence.openai import server_drawing
 from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_device
 from .model import Transformer

@@ -332,7 +332,7 @@ def test_the_model_is_the_first_listed_unless_named(stubs):
 def test_llama_servers_native_completion_is_a_kind_of_endpoint(stubs):
     """kind "llama.cpp": llama_server's request body and checks through the one Drawing; server_samples draws the
     same samples for the same seed, and the model check goes through llama_server's."""
-    from minispec.equivalence import llama_server
+    from minispec.equivalence import llama_server, openai
 
     stub = stubs("llama-server")
     endpoint = Endpoint(stub.url, "llama.cpp", deadline=30.0)
@@ -340,7 +340,7 @@ def test_llama_servers_native_completion_is_a_kind_of_endpoint(stubs):
     assert drawn.samples.settings["engine"] == "llama.cpp" and 0 < drawn.accepted <= drawn.drafted
     assert drawn.samples.settings["speculation"]["acceptance_rate"] == drawn.accepted / drawn.drafted
     assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
-    same = llama_server.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
+    same = openai.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
                                        samples=100, tokens=T, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
                                        top_p=None, seed=7, workers=2)
     assert same.tokens == drawn.samples.tokens and same.settings["engine_version"] == "b0-stub"

@@ -1,11 +1,12 @@
 """llama.cpp's `llama-server` as an engine under test: samples drawn over its HTTP API, as token ids.
 
-`server_drawing` returns a Drawing (minispec.equivalence.openai) that `harness.audit_samples` draws as it scores,
-with the early-stop looks, so a clearly broken server is not sampled to the end; `server_samples` draws every
-sample at once into a SampleSet, tested like a samples file:
+The samples are drawn by minispec.equivalence.openai (`server_drawing`: a Drawing of kind "llama.cpp" that
+`harness.audit_samples` draws as it scores, with the early-stop looks; `server_samples`: every sample at once).
+This module holds the server's side: its process, its requests and answers, and the same-model check:
 
     with LlamaServer(model="target.gguf", draft="draft.gguf", k=4) as server:   # or ServerClient(url)
-        drawing = server_drawing(target, server.client, prompts, samples=2000, tokens=8, temperature=0.7, top_k=50)
+        drawing = openai.server_drawing(target, server.client, prompts, samples=2000, tokens=8,
+                                        temperature=0.7, top_k=50)
         report = audit_samples(target, drawing)   # inside the block: the server draws as the audit reads
 
 `LlamaServer` starts the server on a free port of 127.0.0.1 and stops it however the block ends
@@ -56,7 +57,6 @@ import torch
 from ..errors import check_int, is_int, is_number, show
 from ..sampling import SamplingParams
 from .http import MAX_BYTES, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
-from .samples import SampleSet
 
 ENGINE = "llama.cpp"
 BINARY = "llama-server"
@@ -449,42 +449,3 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
                                  f"target's by up to {diff:.3g} (> {PROB_TOLERANCE}): not the same weights, or not "
                                  "computed in F32 (serve the target as an F32 GGUF: llama-quantize ... F32)")
     return info
-
-
-def server_drawing(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
-                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
-                   model_check: bool = True, settings: dict | None = None, progress: bool = False):
-    """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as a Drawing
-    (minispec.equivalence.openai, kind "llama.cpp") that draws them as it is read: `audit_samples(target, drawing)`
-    scores them chunk by chunk with the early-stop looks, so a clearly broken server stops being sampled at the
-    first look that fails. Its settings line: engine "llama.cpp", the server's build as engine_version, `settings`
-    added, the model check, and once drawn "speculation" (the draft tokens drafted and accepted, when the server
-    drafted any or was started with a draft, `settings["server_draft"]`). The arguments are checked and the
-    model is checked (unless model_check is False) here, before any sampling. Raises ServerError."""
-    from .openai import Drawing, Endpoint  # that module builds its requests from this one's
-
-    params = SamplingParams(temperature, top_k, top_p)
-    check_int("samples", samples, 1, error=ServerError)
-    check_int("tokens", tokens, 1, error=ServerError)
-    check_int("workers", workers, 1, error=ServerError)
-    check_int("seed", seed, 0, error=ServerError)
-    last = seed + samples * len(prompts) - 1
-    if not 0 <= seed or last > MAX_SEED:
-        raise ServerError(f"llama.cpp's seeds are 32-bit: seed + samples - 1 = {last} exceeds {MAX_SEED}")
-    head = {"engine_version": client.version(), **(settings or {})}
-    head["model_check"] = check_same_model(client, target, prompts[0]) if model_check else "skipped"
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=samples * len(prompts), desc=ENGINE, unit="sample", file=sys.stderr, dynamic_ncols=True)
-    return Drawing(Endpoint(client.url, ENGINE, client=client), prompts, [samples] * len(prompts), tokens, params,
-                   seed, target.config.vocab_size, concurrency=workers, settings=head, bar=bar)
-
-
-def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
-                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
-                   model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
-    """Every sample of `server_drawing` (the same arguments), drawn now: the SampleSet audit_samples tests like a
-    samples file. Raises ServerError."""
-    return server_drawing(target, client, prompts, samples, tokens, temperature, top_k, top_p, seed, workers,
-                          model_check, settings, progress).run().samples

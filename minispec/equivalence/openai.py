@@ -29,7 +29,8 @@ nothing (vLLM) the server's Prometheus `/metrics` spec-decode counters read befo
 `vllm:spec_decode_num_draft_tokens_total` / `..._accepted_tokens_total`); None where it tells nothing.
 
 `Drawing` draws as it is read (`chunks`), so an audit whose early-stop look fails ends the sampling there;
-`draw` draws everything at once. Its requests run in daemon threads that a failure, a stopped reader or Ctrl-C
+`draw` draws everything at once; `server_drawing` / `server_samples` do the same for a llama-server (its
+build read and its model checked first). Its requests run in daemon threads that a failure, a stopped reader or Ctrl-C
 ends at once (`http.Cancel`), so a server that never answers cannot keep the process alive.
 """
 
@@ -45,15 +46,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import is_int, show
+from ..errors import check_int, is_int, show
 from ..sampling import SamplingParams
-from . import llama_server
 from .http import Cancel, ServerError, base_url, check_seconds, get_json, get_text
+from .llama_server import ENGINE as LLAMA_CPP
+from .llama_server import MAX_SEED as LLAMA_MAX_SEED
 from .llama_server import OFF, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
+from .llama_server import check_same_model as llama_check_same_model
 from .samples import SampleSet, group
 
 KINDS = ("openai", "sglang")  # the command line's --engine names for these; llama.cpp has its own (llama_server)
-LLAMA_CPP = llama_server.ENGINE  # llama-server's native /completion
 MAX_SEED = 2**32 - 2  # the smallest seed range of the engines (llama.cpp's uint32, 0xFFFFFFFF meaning random)
 # llama.cpp's stages, off, minus what the OpenAI body states in its own words (logit_bias, stop, n_probs)
 LLAMA_OFF = {k: v for k, v in OFF.items() if k not in ("logit_bias", "stop", "n_probs")}
@@ -204,7 +206,7 @@ def check_same_model(endpoint: Endpoint, target, prompt: list[int]) -> dict:
     within PROB_TOLERANCE, else ModelMismatch naming the difference. Returns what was compared. A llama.cpp
     endpoint gets llama_server.check_same_model (sizes, token texts and probabilities through its native API)."""
     if endpoint.kind == LLAMA_CPP:
-        return llama_server.check_same_model(endpoint.client, target, prompt)
+        return llama_check_same_model(endpoint.client, target, prompt)
     theirs = top_probs(endpoint, prompt, target.config.vocab_size)
     with torch.inference_mode():
         ours = target(torch.tensor([prompt], device=target.device))[0, -1].float().softmax(-1).cpu()
@@ -552,3 +554,42 @@ def draw(endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens
     reported."""
     return Drawing(endpoint, prompts, counts, tokens, params, seed, vocab_size, concurrency, mixed_seeds, settings,
                    bar).run()
+
+
+def server_drawing(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
+                   model_check: bool = True, settings: dict | None = None, progress: bool = False):
+    """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as a Drawing
+    (kind "llama.cpp") that draws them as it is read: `audit_samples(target, drawing)`
+    scores them chunk by chunk with the early-stop looks, so a clearly broken server stops being sampled at the
+    first look that fails. Its settings line: engine "llama.cpp", the server's build as engine_version, `settings`
+    added, the model check, and once drawn "speculation" (the draft tokens drafted and accepted, when the server
+    drafted any or was started with a draft, `settings["server_draft"]`). The arguments are checked and the
+    model is checked (unless model_check is False) here, before any sampling. Raises ServerError."""
+    params = SamplingParams(temperature, top_k, top_p)
+    check_int("samples", samples, 1, error=ServerError)
+    check_int("tokens", tokens, 1, error=ServerError)
+    check_int("workers", workers, 1, error=ServerError)
+    check_int("seed", seed, 0, error=ServerError)
+    last = seed + samples * len(prompts) - 1
+    if not 0 <= seed or last > LLAMA_MAX_SEED:
+        raise ServerError(f"llama.cpp's seeds are 32-bit: seed + samples - 1 = {last} exceeds {LLAMA_MAX_SEED}")
+    head = {"engine_version": client.version(), **(settings or {})}
+    head["model_check"] = llama_check_same_model(client, target, prompts[0]) if model_check else "skipped"
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+        bar = tqdm(total=samples * len(prompts), desc=LLAMA_CPP, unit="sample", file=sys.stderr, dynamic_ncols=True)
+    return Drawing(Endpoint(client.url, LLAMA_CPP, client=client), prompts, [samples] * len(prompts), tokens, params,
+                   seed, target.config.vocab_size, concurrency=workers, settings=head, bar=bar)
+
+
+def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
+                   model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
+    """Every sample of `server_drawing` (the same arguments), drawn now: the SampleSet audit_samples tests like a
+    samples file. Raises ServerError."""
+    return server_drawing(target, client, prompts, samples, tokens, temperature, top_k, top_p, seed, workers,
+                          model_check, settings, progress).run().samples
