@@ -68,7 +68,6 @@ OFF = dict(min_p=0.0, typical_p=1.0, top_n_sigma=-1.0, xtc_probability=0.0, dry_
            repeat_last_n=0, presence_penalty=0.0, frequency_penalty=0.0, dynatemp_range=0.0, mirostat=0,
            adaptive_target=-1.0, grammar="", logit_bias=[], min_keep=0, n_probs=0, backend_sampling=False, stop=[],
            t_max_predict_ms=0, n_indent=0)
-MAX_SEED = 2**32 - 2  # llama.cpp's seed is a uint32 and 0xFFFFFFFF means "random"
 PROB_TOLERANCE = 1e-2  # how far the server's next-token probabilities may be from the target's (fp32)
 PIECES = 32  # token ids whose text the model check compares
 MAX_K = 64  # the longest draft a server is asked for: each slot's context holds a round of them

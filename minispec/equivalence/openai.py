@@ -40,6 +40,7 @@ import bisect
 import itertools
 import math
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +51,6 @@ from ..errors import check_int, is_int, show
 from ..sampling import SamplingParams
 from .http import Cancel, ServerError, base_url, check_seconds, get_json, get_text
 from .llama_server import ENGINE as LLAMA_CPP
-from .llama_server import MAX_SEED as LLAMA_MAX_SEED
 from .llama_server import OFF, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
 from .llama_server import check_same_model as llama_check_same_model
 from .samples import SampleSet, group
@@ -571,15 +571,11 @@ def server_drawing(target, client: ServerClient, prompts: list[list[int]], sampl
     check_int("tokens", tokens, 1, error=ServerError)
     check_int("workers", workers, 1, error=ServerError)
     check_int("seed", seed, 0, error=ServerError)
-    last = seed + samples * len(prompts) - 1
-    if not 0 <= seed or last > LLAMA_MAX_SEED:
-        raise ServerError(f"llama.cpp's seeds are 32-bit: seed + samples - 1 = {last} exceeds {LLAMA_MAX_SEED}")
+    check_seed_range(seed, samples * len(prompts))  # before the model check, so a run that cannot finish starts nothing
     head = {"engine_version": client.version(), **(settings or {})}
     head["model_check"] = llama_check_same_model(client, target, prompts[0]) if model_check else "skipped"
     bar = None
     if progress:
-        import sys
-
         from tqdm import tqdm
         bar = tqdm(total=samples * len(prompts), desc=LLAMA_CPP, unit="sample", file=sys.stderr, dynamic_ncols=True)
     return Drawing(Endpoint(client.url, LLAMA_CPP, client=client), prompts, [samples] * len(prompts), tokens, params,
