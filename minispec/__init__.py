@@ -11,8 +11,9 @@ from .feature_draft import FeatureDrafter
 from .model import Transformer
 from .sampling import SamplingParams
 from .speculative import SpeculativeResult, SpeculativeStats
+from .tree import DynamicTree
 
-__all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "FeatureDrafter",
-           "ModelConfig", "PagedKVCache", "PromptLookupDrafter", "SamplingParams", "SpeculativeResult",
-           "SpeculativeStats", "Transformer", "load_draft"]
+__all__ = ["AdaptiveK", "BlockAllocator", "CacheExhausted", "CheckpointError", "Drafter", "DynamicTree",
+           "FeatureDrafter", "ModelConfig", "PagedKVCache", "PromptLookupDrafter", "SamplingParams",
+           "SpeculativeResult", "SpeculativeStats", "Transformer", "load_draft"]
 __version__ = "0.1.0"

@@ -34,12 +34,14 @@ def round_cost(k: int, c: float, verify: float, c_first: float | None = None, al
     return verify + (k - 1) * c + all_accepted * c_first + (1 - all_accepted) * c
 
 
-def tree_round_cost(shape: tuple[int, ...], draft_pass: Callable[[int], float], verify: float) -> float:
+def tree_round_cost(shape: tuple[int, ...], draft_pass: Callable[[int], float], verify: float,
+                    width: int | None = None) -> float:
     """One tree round's cost in plain decode steps: the draft's d passes, pass i over the nodes of depth i - 1 (1,
-    b_1, b_1 b_2, ... tokens; draft_pass(w): the cost of a draft pass over w tokens), and the target's verify pass
-    over the tree's nodes and its root (`verify`). The chain of k drafts is the tree (1, ..., 1): round_cost(k, c,
-    verify) with c = draft_pass(1). tools/bench_tree.py prices trees and chains with these two."""
-    return verify + sum(draft_pass(math.prod(shape[:i])) for i in range(len(shape)))
+    b_1, b_1 b_2, ... tokens, at most `width` with a DynamicTree's; draft_pass(w): the cost of a draft pass over w
+    tokens), and the target's verify pass over the tree's nodes and its root (`verify`). The chain of k drafts is
+    the tree (1, ..., 1): round_cost(k, c, verify) with c = draft_pass(1). tools/bench_tree.py prices trees and
+    chains with these two."""
+    return verify + sum(draft_pass(min(math.prod(shape[:i]), width or math.inf)) for i in range(len(shape)))
 
 
 def best_k(a: float, c: float, k_max: int = 8, verify: list[float] | None = None) -> int:

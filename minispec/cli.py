@@ -47,7 +47,7 @@ from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_dev
 from .model import Transformer
 from .speculative import AUTO_FIXED, SAMPLERS
 from .threads import fixed_threads
-from .tree import check_tree
+from .tree import DynamicTree, parse_tree, tree_text
 
 
 class CLIError(RuntimeError):
@@ -106,20 +106,13 @@ def generate_k_argument(s: str) -> int | str:
     return AUTO_FIXED if s == AUTO_FIXED else k_argument(s)
 
 
-def tree_argument(s: str) -> tuple[int, ...] | str:
-    """--tree: "auto", or the children per depth as comma-separated integers ("2,2,2"), checked as speculate checks
-    them."""
-    if s == "auto":
-        return s
+def tree_argument(s: str) -> tuple[int, ...] | DynamicTree | str:
+    """--tree: "auto", the children per depth as comma-separated integers ("2,2,2"), or a dynamic tree WIDTHxDEPTH
+    ("4x4"), checked as speculate checks them."""
     try:
-        return check_tree(tuple(_int_at_least(1)(b) for b in s.split(",")))
-    except (argparse.ArgumentTypeError, GenerationError) as e:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a tree (children per depth, e.g. 2,2,2, or auto): "
-                                         f"{one_line(e)}") from None
-
-
-def _tree_text(tree) -> str:
-    return tree if isinstance(tree, str) else ",".join(map(str, tree))
+        return parse_tree(s)
+    except GenerationError as e:
+        raise argparse.ArgumentTypeError(one_line(e)) from None
 
 
 def _draft(s: str) -> str:
@@ -161,9 +154,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "measured acceptance rate and step costs, plain decoding when speculation would not pay; "
                         f"or '{AUTO_FIXED}': chosen from the acceptance rate with fixed step costs (the configs' "
                         "sizes), so that --seed fixes the tokens")
-    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|auto",
+    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|WxD|auto",
                    help="instead of --k, a token tree per round: every node at depth i-1 gets B_i children (e.g. "
-                        "2,2,2: 14 drafts scored in one pass), a model draft only; 'auto' picks a chain or a tree "
+                        "2,2,2: 14 drafts scored in one pass), a model draft only; WxD (e.g. 4x4): D depths of at "
+                        "most W nodes placed by the draft's own probabilities; 'auto' picks a chain or a tree "
                         "each round from the measured acceptance and step costs")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true",
@@ -250,7 +244,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.tree is not None:
             shapes = [sh for sh in stats.tree_chosen if sh]
             most = max(set(shapes), key=shapes.count, default=None)
-            k = f"tree={_tree_text(args.tree)}" + (f" (most chosen {_tree_text(most) if most else 'plain'})"
+            k = f"tree={tree_text(args.tree)}" + (f" (most chosen {tree_text(most) if most else 'plain'})"
                                                    if args.tree == "auto" else "")
         else:
             k = f"k={k}"
@@ -365,9 +359,10 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=k_argument, metavar="K",
                    help=f"draft tokens per round, or 'auto' (default {d['k']}); for transformers-assisted, the "
                         "assistant's num_assistant_tokens ('auto': transformers' own schedule)")
-    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|auto",
-                   help="--engine minispec: instead of --k, a token tree per round (children per depth, e.g. 2,2,2), "
-                        "or 'auto' (a chain or a tree chosen each round from measured costs)")
+    p.add_argument("--tree", type=tree_argument, metavar="B1,...,BD|WxD|auto",
+                   help="--engine minispec: instead of --k, a token tree per round (children per depth, e.g. 2,2,2; "
+                        "WxD, e.g. 4x4: placed by the draft), or 'auto' (a chain or a tree chosen each round from "
+                        "measured costs)")
     p.add_argument("--seed", type=_int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")

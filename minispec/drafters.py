@@ -12,7 +12,7 @@ import torch
 
 from .errors import GenerationError, check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
-from .tree import draw_children, fitting, top_children
+from .tree import allocate, draw_children, fitting, top_children
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
 
@@ -219,19 +219,25 @@ class ModelDrafter(Drafter):
             add_picks(live, *draw_step(logits, self.params, [gens[r] for r in live], self.draw), tokens, qs)
         return as_proposal(rows, tokens, qs, self.model.config.vocab_size)
 
-    def propose_tree(self, rows, shapes, contexts, gens):
+    def propose_tree(self, rows, shapes, contexts, gens, width: int | None = None):
         """One draft pass per depth, over the nodes of the depth before (the first: the pending tokens); every
-        node's children drawn without replacement (tree.draw_children), or its top b_i when greedy (q one-hot)."""
+        node's children drawn without replacement (tree.draw_children), or its top b_i when greedy (q one-hot).
+        With a width (a DynamicTree): at most that many nodes a depth, placed by tree.allocate before they are
+        drawn, a node's path value the product of the draft's probabilities of its tokens (greedy: of its softmax)."""
         V = self.model.config.vocab_size
         nodes = {r: ([], [], []) for r in rows}  # row -> tokens, parents, q
+        value = {r: [] for r in rows}  # row -> each node's path value (a DynamicTree's allocation reads them)
         # the draft's cache holds the context and every node but the last depth's: they must fit its window
-        depth = {r: min(len(sh), len(fitting(sh, self.max_len - len(contexts[r]))) + 1)
+        depth = {r: min(len(sh), len(fitting(sh, self.max_len - len(contexts[r]), width)) + 1)
                  if r in self.rows.seq and len(contexts[r]) <= self.max_len else 0 for r, sh in zip(rows, shapes)}
         frontier = {r: [-1] for r in rows}  # the nodes whose children the next pass draws (-1: the root)
         shape = dict(zip(rows, shapes))
         self.steps = max(depth.values(), default=0)
         for i in range(self.steps):
-            live = [r for r in rows if depth[r] > i]
+            live = [r for r in rows if depth[r] > i and frontier[r]]
+            if not live:
+                self.steps = i
+                break
             if i == 0:  # the pending tokens: the root's logits, (B, 1, V)
                 logits = self.rows.feed(live, [[] for _ in live]).unsqueeze(1)
             else:
@@ -240,14 +246,22 @@ class ModelDrafter(Drafter):
             probs = None if self.params.greedy else logits_to_probs(logits, self.params).double().cpu()
             for b, r in enumerate(live):
                 tokens, parents, qs = nodes[r]
+                n = len(frontier[r])
+                dist = (logits[b, :n].float().softmax(-1) if probs is None else probs[b, :n]) if width else None
+                counts = ([shape[r][i]] * n if width is None else
+                          allocate([1.0 if f < 0 else value[r][f] for f in frontier[r]], dist, shape[r][i], width))
                 grown = []
-                for m, f in enumerate(frontier[r]):
+                for m, (f, c) in enumerate(zip(frontier[r], counts)):
+                    if c == 0:
+                        continue
                     if probs is None:
-                        kids = top_children(logits[b, m], shape[r][i])
+                        kids = top_children(logits[b, m], c)
                         kq = list(one_hot(kids, V))
                     else:
-                        kids, kq = draw_children(probs[b, m], shape[r][i],
-                                                 torch.rand(shape[r][i], generator=gens[r], dtype=torch.float64))
+                        kids, kq = draw_children(probs[b, m], c, torch.rand(c, generator=gens[r], dtype=torch.float64))
+                    if width:
+                        base = 1.0 if f < 0 else value[r][f]
+                        value[r] += [base * float(dist[m, t]) for t in kids]
                     grown += range(len(tokens), len(tokens) + len(kids))
                     tokens += kids
                     parents += [f] * len(kids)

@@ -30,7 +30,7 @@ from .errors import (
 )
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
-from .tree import AdaptiveTree, check_tree, check_tree_proposal, depths, fitting, tree_size
+from .tree import AdaptiveTree, DynamicTree, check_tree, check_tree_proposal, depths, fitting, tree_size
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -311,7 +311,7 @@ class _Run:
 
     def __init__(self, target, drafter: Drafter, policy: ExactSampler, params: SamplingParams, batch, budgets,
                  active, seed, stops, on_tokens, block_size: int, keep_caches: bool, stats: SpeculativeStats,
-                 tree: tuple[int, ...] | None = None):
+                 tree: tuple[int, ...] | DynamicTree | None = None):
         self.target, self.drafter, self.policy, self.params, self.tree = target, drafter, policy, params, tree
         self.budgets, self.active, self.stops, self.on_tokens = budgets, active, stops, on_tokens
         self.keep_caches, self.stats = keep_caches, stats
@@ -335,16 +335,20 @@ class _Run:
             drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, self.target.config.vocab_size)
             return Proposal(list(self.active), k, drafts, qs)
         window = self.target.config.max_seq_len  # the target's cache holds the context and every node
-        shapes = [fitting(self.tree[:r], window - len(self.contexts[i])) for r, i in zip(room, self.active)]
-        proposal = self.drafter.propose_tree(self.active, shapes, self.contexts, self.gens)
+        dynamic = isinstance(self.tree, DynamicTree)
+        caps, width = (self.tree.caps, self.tree.width) if dynamic else (self.tree, None)
+        shapes = [fitting(caps[:r], window - len(self.contexts[i]), width) for r, i in zip(room, self.active)]
+        # a DynamicTree's width goes to the drafter only then: a drafter of fixed shapes need not know of it
+        proposal = self.drafter.propose_tree(self.active, shapes, self.contexts, self.gens,
+                                             **({"width": width} if dynamic else {}))
         name = type(self.drafter).__name__
         if not (isinstance(proposal, tuple) and len(proposal) == 3):
             raise GenerationError(f"{name}.propose_tree must return (tokens, parents, q)")
-        drafts, qs = check_proposal(self.drafter, self.active, [tree_size(sh) for sh in shapes],
+        drafts, qs = check_proposal(self.drafter, self.active, [tree_size(sh, width) for sh in shapes],
                                     (proposal[0], proposal[2]), self.target.config.vocab_size)
-        parents = [check_tree_proposal(name, i, sh, d, par)
+        parents = [check_tree_proposal(name, i, sh, d, par, width)
                    for i, sh, d, par in zip(self.active, shapes, drafts, proposal[1])]
-        return Proposal(list(self.active), len(self.tree), drafts, qs, parents)
+        return Proposal(list(self.active), len(caps), drafts, qs, parents)
 
     def verify(self, prop: Proposal) -> Verdict:
         """ONE target pass over every row's pending tokens and drafts, then the acceptance step of each row.
@@ -420,7 +424,7 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
               stop_tokens=None, on_tokens: OnTokens | None = None, block_size: int = 16,
               sampler: str | ExactSampler = "exact", keep_caches: bool = False,
-              tree: tuple[int, ...] | str | AdaptiveTree | None = None) -> SpeculativeResult:
+              tree: tuple[int, ...] | str | DynamicTree | AdaptiveTree | None = None) -> SpeculativeResult:
     """Generate with `target`, `draft` proposing up to k tokens per round (or a tree); exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
@@ -432,7 +436,9 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
       the same tokens; or an AdaptiveK of your own. Default 4 (without a tree).
     tree: instead of k, a token tree per round: (b_1, ..., b_d) gives every node at depth i - 1 up to b_i children,
       drawn by the draft without replacement (greedy: its top b_i), all scored in one target pass and walked by
-      tree_verify (docs/design.md, "A tree round"). A model draft only. "auto": each round a chain or a tree
+      tree_verify (docs/design.md, "A tree round"). A model draft only. A tree.DynamicTree(width, depth): each
+      round's shape chosen by the draft, at most `width` nodes a depth placed where its own probabilities say
+      the walk will go (EAGLE-2's dynamic trees). "auto": each round a chain or a tree
       of tree.AUTO_SHAPES (or plain decoding), picked from the running acceptance and the measured step costs
       (tree.AdaptiveTree, carried over between calls as k="auto"'s estimates are); or an AdaptiveTree of your own.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
@@ -451,7 +457,7 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     if tree is not None:
         if k is not _K_UNSET:
             raise GenerationError("give k (a chain of drafts) or tree (a tree of them), not both")
-        tree = tree if tree == "auto" or isinstance(tree, AdaptiveTree) else check_tree(tree)
+        tree = tree if tree == "auto" or isinstance(tree, (AdaptiveTree, DynamicTree)) else check_tree(tree)
         k = None
     elif k is _K_UNSET:
         k = 4
@@ -488,7 +494,7 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
             shape = auto_tree.choose_tree()
             run.tree, kr = (shape if any(b > 1 for b in shape) else None), len(shape)
         else:
-            kr = adaptive.choose() if adaptive else k if tree is None else len(tree)
+            kr = adaptive.choose() if adaptive else k if tree is None else len(getattr(tree, "caps", tree))
         t0 = time.perf_counter()
         prop = run.propose(kr)
         t1 = time.perf_counter()

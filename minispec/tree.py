@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,18 +23,69 @@ from .sampling import sample_rows
 MAX_TREE_NODES = 256  # draft tokens in one tree: a verify pass scores them all, and the mask grows with their square
 
 
-def tree_size(shape: tuple[int, ...]) -> int:
-    """Draft tokens in a full tree of this shape: b_1 + b_1 b_2 + ... + b_1 ... b_d."""
-    return sum(math.prod(shape[:i + 1]) for i in range(len(shape)))
+def tree_size(shape: tuple[int, ...], width: int | None = None) -> int:
+    """Draft tokens in a full tree of this shape: b_1 + b_1 b_2 + ... + b_1 ... b_d; with a width (a DynamicTree's),
+    at most that many a depth."""
+    return sum(min(math.prod(shape[:i + 1]), width or math.inf) for i in range(len(shape)))
 
 
-def fitting(shape: tuple[int, ...], room: int) -> tuple[int, ...]:
+def fitting(shape: tuple[int, ...], room: int, width: int | None = None) -> tuple[int, ...]:
     """The deepest prefix of shape whose full tree has at most `room` nodes (a tree's nodes take cache slots
     past the context, one each, whatever their depth)."""
     d = 0
-    while d < len(shape) and tree_size(shape[:d + 1]) <= room:
+    while d < len(shape) and tree_size(shape[:d + 1], width) <= room:
         d += 1
     return shape[:d]
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree whose shape the draft chooses each round, level by level (EAGLE-2's dynamic trees, Li et al. 2024):
+    `depth` levels of at most `width` nodes. At each level the width goes to the children most likely to be
+    reached (allocate), so a round spends its nodes on second guesses where the draft is unsure and on depth where
+    it is sure, which no fixed shape can do for every position. Any node may get up to `width` children.
+
+    Exact like a fixed shape: a node's number of children is fixed before they are drawn, from the draft's own
+    distributions and the tokens drawn at shallower levels, never from the children themselves nor from the
+    target (tree_verify's induction holds for any number of children decided so)."""
+
+    width: int
+    depth: int
+
+    def __post_init__(self):
+        if not (is_int(self.width) and is_int(self.depth) and self.width >= 1 and self.depth >= 1):
+            raise GenerationError(f"DynamicTree needs width >= 1 and depth >= 1, got width {show(self.width)}, "
+                                  f"depth {show(self.depth)}")
+        if self.width * self.depth > MAX_TREE_NODES:
+            raise GenerationError(f"DynamicTree(width={self.width}, depth={self.depth}) has up to "
+                                  f"{self.width * self.depth} nodes, more than {MAX_TREE_NODES}")
+
+    @property
+    def caps(self) -> tuple[int, ...]:
+        """The children a node may get, per depth (the fixed shape every round's tree fits in)."""
+        return (self.width,) * self.depth
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.depth}"
+
+
+def allocate(values: list[float], dists: torch.Tensor, cap: int, width: int) -> list[int]:
+    """Children per node of one level of a DynamicTree: the `width` largest of value_f * m_f,j over the level's
+    nodes f and j < cap, where value_f estimates the chance the walk reaches f (the product of the draft's
+    probabilities along its path: the draft as its own model of the target) and m_f,j is the j-th largest
+    probability of f's distribution dists[f] (the j-th child's share when it is drawn without replacement, exact
+    when greedy). A node's count is how many of its terms are among them (a prefix: m_f,j falls with j); a term
+    with no probability never counts (the support ran out)."""
+    if not values:
+        return []
+    top = dists.double().topk(min(cap, dists.shape[-1]), dim=-1).values  # (n, cap), each row descending
+    gains = torch.tensor(values, dtype=torch.float64).unsqueeze(1) * top
+    flat = gains.flatten()
+    chosen = flat.topk(min(width, flat.numel())).indices
+    counts = [0] * len(values)
+    for c in chosen[flat[chosen] > 0].tolist():
+        counts[c // top.shape[1]] += 1
+    return counts
 
 
 def check_tree(tree) -> tuple[int, ...]:
@@ -48,6 +100,27 @@ def check_tree(tree) -> tuple[int, ...]:
     return shape
 
 
+def parse_tree(text: str) -> tuple[int, ...] | DynamicTree | str:
+    """A tree as the command line writes it: "auto", children per depth ("2,2,2"), or a DynamicTree as
+    WIDTHxDEPTH ("4x4"); checked as speculate checks it (GenerationError naming the text)."""
+    if text == "auto":
+        return text
+    try:
+        if "x" in text:
+            width, depth = text.split("x")
+            return DynamicTree(int(width), int(depth))
+        return check_tree(tuple(int(b) for b in text.split(",")))
+    except (ValueError, GenerationError) as e:
+        why = "" if type(e) is ValueError else f": {e}"
+        raise GenerationError(f"{text!r} is not a tree (children per depth as 2,2,2, WIDTHxDEPTH as 4x4, or auto)"
+                              f"{why}") from None
+
+
+def tree_text(tree) -> str:
+    """parse_tree's inverse: "2,2,2", "4x4" or "auto"."""
+    return tree if isinstance(tree, str) else str(tree) if isinstance(tree, DynamicTree) else ",".join(map(str, tree))
+
+
 def depths(parents: list[int]) -> list[int]:
     """Each node's depth (its children's: one more; the root's children: 1)."""
     out: list[int] = []
@@ -56,9 +129,11 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def check_tree_proposal(name: str, row: int, shape: tuple[int, ...], tokens: list[int], parents) -> list[int]:
+def check_tree_proposal(name: str, row: int, shape: tuple[int, ...], tokens: list[int], parents,
+                        width: int | None = None) -> list[int]:
     """A drafter's tree for one row, checked: one parent per node, each an earlier node or -1 (the root), nodes in
-    breadth-first order, at most b_i children per node at depth i - 1. Returns the parents as Python ints."""
+    breadth-first order, at most b_i children per node at depth i - 1 (and with a width, at most that many nodes
+    a depth). Returns the parents as Python ints."""
     par = [int(p) for p in parents] if isinstance(parents, (list, tuple)) else None
     ok = par is not None and len(par) == len(tokens) and all(-1 <= p < j for j, p in enumerate(par))
     if ok:
@@ -67,9 +142,11 @@ def check_tree_proposal(name: str, row: int, shape: tuple[int, ...], tokens: lis
         for p in par:
             counts[p] = counts.get(p, 0) + 1
         ok = (dep == sorted(dep) and (not dep or dep[-1] <= len(shape))
-              and all(n <= shape[0 if p < 0 else dep[p]] for p, n in counts.items()))
+              and all(n <= shape[0 if p < 0 else dep[p]] for p, n in counts.items())
+              and (width is None or all(dep.count(i) <= width for i in set(dep))))
     if not ok:
-        raise GenerationError(f"{name} proposed a tree for sequence {row} that is not one of shape {shape}: parents "
+        within = f"shape {shape}" + (f" with at most {width} nodes a depth" if width else "")
+        raise GenerationError(f"{name} proposed a tree for sequence {row} that is not one of {within}: parents "
                               f"{parents} (one per node, an earlier node or -1, breadth-first, b_i children at most)")
     return par
 

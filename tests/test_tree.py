@@ -433,3 +433,75 @@ def test_tree_auto_errors(models):
         target.speculate(models["small"], [1, 2], k="auto", tree="auto")
     with pytest.raises(GenerationError, match="tree must be 'auto' or"):
         target.speculate(models["small"], [1, 2], tree="automatic")
+
+
+# ---- DynamicTree: the draft places a round's nodes
+
+
+def test_allocate_gives_the_width_to_the_likeliest_children():
+    from minispec.tree import allocate
+    dists = torch.tensor([[0.9, 0.05, 0.05, 0.0], [0.4, 0.3, 0.2, 0.1]])
+    # terms value * m: node 0: 0.9*0.9 = .81, .045, .045; node 1: 0.1*0.4 = .04, .03, ...
+    assert allocate([0.9, 0.1], dists, 4, 3) == [3, 0]
+    assert allocate([0.5, 0.5], dists, 4, 3) == [1, 2]  # .45 | .2 .15 against .025
+    assert allocate([0.5, 0.5], dists, 1, 3) == [1, 1]  # a node's cap
+    assert allocate([1.0], torch.tensor([[1.0, 0.0, 0.0, 0.0]]), 4, 4) == [1]  # no child without probability
+    assert allocate([], torch.zeros(0, 4), 2, 2) == []
+
+
+def test_dynamic_tree_spec():
+    from minispec.tree import DynamicTree, fitting, parse_tree, tree_text
+    t = DynamicTree(4, 3)
+    assert t.caps == (4, 4, 4) and tree_size(t.caps, t.width) == 12 and str(t) == "4x3"
+    assert fitting(t.caps, 9, t.width) == (4, 4) and fitting(t.caps, 3, t.width) == ()
+    assert parse_tree("4x3") == t and parse_tree("2,1") == (2, 1) and parse_tree("auto") == "auto"
+    assert tree_text(t) == "4x3" and tree_text((2, 1)) == "2,1"
+    for bad in ("4x", "x3", "0x3", "4x0", "2,a", "4x3x2"):
+        with pytest.raises(GenerationError):
+            parse_tree(bad)
+    with pytest.raises(GenerationError, match="more than"):
+        DynamicTree(100, 100)
+
+
+def test_a_proposal_wider_than_the_width_is_refused():
+    from minispec.tree import check_tree_proposal
+    assert check_tree_proposal("D", 0, (3, 3), [5, 6, 7], [-1, -1, 0], width=2) == [-1, -1, 0]
+    with pytest.raises(GenerationError, match="at most 2 nodes a depth"):
+        check_tree_proposal("D", 0, (3, 3), [5, 6, 7], [-1, -1, -1], width=2)
+
+
+@settings(derandomize=True, deadline=None, max_examples=30)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=10), width=st.integers(1, 4),
+       depth=st.integers(1, 4), block_size=st.sampled_from([1, 3, 16]), max_new=st.integers(0, 16),
+       draft=st.sampled_from(["truncated", "small", "target"]))
+def test_greedy_dynamic_tree_equals_generate(models, prompt, width, depth, block_size, max_new, draft):
+    from minispec.tree import DynamicTree
+    target = models["target"]
+    want = target.generate(prompt, max_new_tokens=max_new, stop_tokens=[])
+    res = target.speculate(models[draft], prompt, tree=DynamicTree(width, depth), max_new_tokens=max_new,
+                           stop_tokens=[], block_size=block_size)
+    assert res.tokens == want and res.stats.committed == len(want)
+
+
+def test_a_dynamic_tree_keeps_its_width_and_caches(models, monkeypatch):
+    from minispec.drafters import ModelDrafter
+    from minispec.tree import DynamicTree, depths
+    target, draft = models["target"], models["truncated"]
+    prompts = [[1, 2, 3], [7] * 9, [4]]
+    seen, propose_tree = [], ModelDrafter.propose_tree
+
+    def watch(self, rows, shapes, contexts, gens, width=None):
+        out = propose_tree(self, rows, shapes, contexts, gens, width=width)
+        seen.extend(out[1])
+        return out
+
+    monkeypatch.setattr(ModelDrafter, "propose_tree", watch)
+    res = target.speculate(draft, prompts, tree=DynamicTree(3, 3), max_new_tokens=11, temperature=1.0, seed=3,
+                           block_size=4, keep_caches=True, stop_tokens=[])
+    assert seen and all(max(map(depths(par).count, set(depths(par))), default=0) <= 3 for par in seen)
+    assert any(len(par) == 9 for par in seen)  # full rounds use the whole width at every depth
+    # placed where the draft's probabilities say: some depth-1 node gets several children and a sibling none
+    assert any(len(set(par[3:6])) < len(par[3:6]) for par in seen)
+    for rows in res.caches:
+        rows.cache.check_consistency()
+        assert not rows.cache.parents

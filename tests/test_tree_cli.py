@@ -30,7 +30,7 @@ def generate(ckpt, *extra):
 def test_generate_with_a_tree_gives_greedy_generation(ckpt, capsys):
     assert generate(ckpt) == 0
     plain = capsys.readouterr()
-    for tree, shown in (("2,2,2", "speculation tree=2,2,2:"), ("3", "speculation tree=3:"),
+    for tree, shown in (("2,2,2", "speculation tree=2,2,2:"), ("3", "speculation tree=3:"), ("3x3", "tree=3x3:"),
                         ("auto", "speculation tree=auto (most chosen ")):
         assert generate(ckpt, "--draft", ckpt["draft"], "--tree", tree) == 0
         out = capsys.readouterr()
@@ -57,8 +57,9 @@ def test_generate_tree_usage_errors_exit_2(ckpt, capsys, extra, match):
 
 
 @pytest.mark.parametrize("value, match", [
-    ("0", "0 is less than 1"), ("2,0", "0 is less than 1"), ("2,x", "'2,x' is not a tree"), ("", "is not a tree"),
+    ("0", "'0' is not a tree"), ("2,0", "integer >= 1"), ("2,x", "'2,x' is not a tree"), ("", "is not a tree"),
     ("2,,2", "is not a tree"), ("-1", "is not a tree"), ("16,16,16", "more than 256"), ("1.5", "is not a tree"),
+    ("4x", "'4x' is not a tree"), ("0x4", "width >= 1"), ("20x20", "more than 256"), ("2x2x2", "is not a tree"),
 ])
 def test_bad_trees_are_argparse_errors(ckpt, capsys, value, match):
     assert generate(ckpt, "--draft", ckpt["draft"], f"--tree={value}") == 2
@@ -81,6 +82,9 @@ def test_equivalence_with_a_tree(ckpt, capsys):
     assert report["drafted"] > 64 * 3 * 1.5
     assert equivalence(ckpt, "--tree", "auto") == 0
     assert json.loads(capsys.readouterr().out)["settings"]["tree"] == "auto"
+    assert equivalence(ckpt, "--tree", "3x2") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["settings"]["tree"] == "3x2" and "tree=3x2" in report["settings"]["under_test"]
 
 
 def test_equivalence_notes_a_control_that_the_round_does_not_take(ckpt, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_speculative_mc import PROMPT, N, V, chi_square_p, exact_distribution, truncated
 
-from minispec import SamplingParams
+from minispec import DynamicTree, SamplingParams
 
 from helpers import peaked_model
 
@@ -39,6 +39,7 @@ EXACT_FAST = [  # (draft, tree, temperature, top_k, top_p)
     ("truncated", (2, 2), 1.0, None, None),
     ("small", (3, 1), 1.0, 4, None),
     ("truncated-peaked", (2, 1, 1), 0.5, 3, None),
+    ("truncated", DynamicTree(3, 3), 1.0, None, None),  # each round's shape chosen by the draft
 ]
 EXACT_SLOW = [
     ("near-uniform", (4,), 1.5, None, 0.9),
@@ -47,6 +48,8 @@ EXACT_SLOW = [
     ("small", (2, 2, 2), 1.5, None, None),
     ("truncated", (4, 1), 0.5, 2, None),  # top-k 2 leaves a node at most 2 children of the 4 asked for
     ("near-uniform", (1, 3), 1.0, 5, 0.8),
+    ("small", DynamicTree(2, 3), 0.7, 4, None),
+    ("near-uniform", DynamicTree(4, 2), 1.5, None, 0.9),
 ]
 
 
@@ -71,7 +74,8 @@ def test_a_stop_token_inside_an_accepted_path(models):
     assert p > 1e-4, f"p = {p:.3g}"
 
 
-@pytest.mark.parametrize("draft,tree", [("truncated", (2, 2)), ("near-uniform", (4, 2))])
+@pytest.mark.parametrize("draft,tree", [("truncated", (2, 2)), ("near-uniform", (4, 2)),
+                                        ("near-uniform", DynamicTree(4, 2))])
 def test_tree_independent_is_rejected(models, draft, tree):
     p_exact, _ = run(models, draft, tree, 1.0)
     p_broken, _ = run(models, draft, tree, 1.0, sampler="tree-independent")

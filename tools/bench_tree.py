@@ -31,19 +31,26 @@ from minispec import Transformer
 from minispec.adaptive import round_cost, tree_round_cost
 from minispec.cli import load_draft
 from minispec.speculative import SpeculativeStats
-from minispec.tree import check_tree, tree_size
+from minispec.tree import DynamicTree, parse_tree, tree_size, tree_text
 
-TREES = "2,2,2 3,2,1 2,2,1,1 3,1,1,1 4,1,1"  # at most 16 nodes each, depths 3 and 4
+TREES = "2,2,2 3,2,1 2,2,1,1 3,1,1,1 4,1,1 5x3 4x4"  # at most 16 nodes each, depths 3 and 4; WxD: a DynamicTree
 
 
-def contenders(trees: list[tuple[int, ...]]) -> list[tuple[str, dict]]:
+def nodes_depth(t) -> tuple[int, int]:
+    """A tree's most nodes and its depth (a DynamicTree: width x depth)."""
+    return (t.width * t.depth, t.depth) if isinstance(t, DynamicTree) else (tree_size(t), len(t))
+
+
+def contenders(trees: list) -> list[tuple[str, dict]]:
     """(name, speculate's k or tree) for every tree and its two chains, each once."""
     out: dict[str, dict] = {}
     for t in trees:
-        out[f"tree {','.join(map(str, t))}"] = {"tree": t}
-        for k in (len(t), tree_size(t)):
+        out[f"tree {tree_text(t)}"] = {"tree": t}
+        n, d = nodes_depth(t)
+        for k in (d, n):
             out[f"chain k={k}"] = {"k": k}
-    return sorted(out.items(), key=lambda kv: (len(kv[1].get("tree", ())), kv[1].get("k", 0)))
+    return sorted(out.items(), key=lambda kv: (nodes_depth(kv[1]["tree"])[1] if "tree" in kv[1] else 0,
+                                               kv[1].get("k", 0)))
 
 
 def run(target, draft, prompts: list[list[int]], spec: dict, args) -> dict:
@@ -78,7 +85,8 @@ def predicted(spec: dict, tokens_per_pass: float, cost: dict) -> float:
         k = spec["k"]
         return tokens_per_pass / round_cost(k, draft[1], verify[k + 1])
     t = spec["tree"]
-    return tokens_per_pass / tree_round_cost(t, lambda w: draft[w], verify[tree_size(t) + 1])
+    shape, width = (t.caps, t.width) if isinstance(t, DynamicTree) else (t, None)
+    return tokens_per_pass / tree_round_cost(shape, lambda w: draft[w], verify[nodes_depth(t)[0] + 1], width)
 
 
 def main(argv=None) -> int:
@@ -98,7 +106,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    trees = [check_tree(tuple(int(b) for b in t.split(","))) for t in args.trees.split()]
+    trees = [parse_tree(t) for t in args.trees.split()]
     target_dir, draft_dir, texts, _ = PAIRS[args.pair]
     target = Transformer.from_pretrained(args.target or target_dir)
     draft = load_draft(args.draft or draft_dir, None, target)
@@ -116,9 +124,10 @@ def main(argv=None) -> int:
     target.speculate(draft, prompts[0], k=2, max_new_tokens=8, stop_tokens=[])  # warm-up: probes, thread tuner
     cost = None
     if not args.no_costs:
-        widths = sorted({1, *(w for t in trees for w in (1, *[tree_size(t[:i]) - tree_size(t[:i - 1])
-                                                                for i in range(1, len(t))]))})
-        rows = sorted({k + 1 for _, spec in contenders(trees) for k in [spec.get("k") or tree_size(spec["tree"])]})
+        widths = sorted({1, *(w for t in trees for w in ((1, *(t.width,) * (t.depth - 1)) if isinstance(
+            t, DynamicTree) else (1, *[tree_size(t[:i]) - tree_size(t[:i - 1]) for i in range(1, len(t))])))})
+        rows = sorted({k + 1 for _, spec in contenders(trees)
+                       for k in [spec.get("k") or nodes_depth(spec["tree"])[0]]})
         cost = costs(target, draft, prompts[0], widths, rows)
         print(json.dumps({"costs_s": cost, **conds}), flush=True)
     for name, spec in tqdm(contenders(trees), desc="contenders", file=sys.stderr):

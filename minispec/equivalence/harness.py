@@ -25,7 +25,7 @@ from ..drafters import make_drafter
 from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
-from ..tree import check_tree
+from ..tree import DynamicTree, check_tree, tree_text
 from .engines import ENGINES, TransformersEngine
 from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
@@ -399,7 +399,7 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
         if tree is not None:
             if engine != "minispec":
                 raise ValueError(f"tree is minispec's token tree; engine {engine} drafts chains")
-            tree = tree if tree == "auto" else check_tree(tree)
+            tree = tree if tree == "auto" or isinstance(tree, DynamicTree) else check_tree(tree)
         elif k != "auto" and not isinstance(k, AdaptiveK):
             check_int("k", k, 1)
         params = SamplingParams(temperature, top_k, top_p)
@@ -439,7 +439,7 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
                     orders=ORDERS, reference: bool = True, batch_size: int = DEFAULTS["batch_size"],
                     progress: bool = False, names: dict | None = None, engine: str = "minispec",
                     hf_dirs: dict | None = None, power_runs: int = DEFAULTS["power_runs"],
-                    tree: tuple[int, ...] | str | None = None) -> EquivalenceReport:
+                    tree: tuple[int, ...] | DynamicTree | str | None = None) -> EquivalenceReport:
     """Test that an engine's speculative (or plain) samples follow the target's distribution.
 
     target: a Transformer (it scores every sample); draft: what speculate drafts with (a Transformer sharing its
@@ -456,7 +456,7 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     reference: also test target-only samples (the calibration reference).
     batch_size: samples per sampling call, and per early-stop look. power_runs: simulated runs per eps for the
     power figure (0: no power figure). names: labels for target/draft in the report.
-    tree: engine "minispec" only: speculate with this token tree (b_1, ..., b_d) or "auto" instead of k.
+    tree: engine "minispec" only: speculate with this token tree (b_1, ..., b_d), a DynamicTree or "auto" instead of k.
     Temperature 0 checks token-for-token equality with target greedy decoding instead of the PIT.
     Raises EquivalenceInputError (a ValueError) on bad input, before any sampling.
     """
@@ -474,8 +474,9 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     if engine == "minispec":
         draft_name = names.get("draft", draft if isinstance(draft, str) else "(model)")
         k_name = None if tree is not None else k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
-        tree_name = None if tree is None else tree if isinstance(tree, str) else list(tree)
-        how = f"k={k_name}" if tree is None else f"tree={tree if isinstance(tree, str) else ','.join(map(str, tree))}"
+        tree_name = None if tree is None else tree if isinstance(tree, str) else str(tree) if isinstance(
+            tree, DynamicTree) else list(tree)
+        how = f"k={k_name}" if tree is None else f"tree={tree_text(tree)}"
         settings.update(engine_version=__version__, draft=draft_name, k=k_name, sampler=sampler,
                         under_test=f"speculative (sampler={sampler}, draft={draft_name}, {how})")
         file_settings.update(sampler=sampler, draft=draft_name, k=k_name, seed=seed)
