@@ -495,3 +495,30 @@ def test_smollm2_greedy_draft_fails_with_its_draft_at_the_defaults(smol):
                         reference=False, power_runs=0)
     assert not r.passed and r.speculative.min_adjusted < 1e-6, r.format()
     assert r.sequential["stopped_early"] and r.sequential["samples_tested"] == DEFAULTS["batch_size"]
+
+
+@pytest.mark.parametrize("k, tree", [(3, None), (2, (2, 2))])
+def test_a_batch_drawn_in_several_calls_gives_the_same_samples(pair, monkeypatch, k, tree):
+    """The harness draws a look's batch in calls of at most rows_per_call sequences (a large tree over a large
+    vocabulary would not fit in memory at 256): sequence i still draws from seed + i, so the samples are the ones
+    one call gives."""
+    from minispec.equivalence import harness
+
+    target, draft = pair
+    prompt = [1, 5, 7]
+    params = SamplingParams(0.9, None, None)
+
+    def draws(budget: int) -> tuple[list, dict]:
+        monkeypatch.setattr(harness, "SAMPLING_BYTES", budget)
+        stats: dict = {}
+        out = list(harness._minispec_draws(target, draft, [prompt], [10], 6, params, k, "exact", 3, 8, stats, None,
+                                           tree))
+        return out, stats
+
+    V = target.config.vocab_size
+    row = (harness._drafts_per_row(k, tree) + 1) * V * 16
+    assert harness.rows_per_call(V, k, tree) == harness.SAMPLING_BYTES // row
+    whole, whole_stats = draws(100 * row)
+    split, split_stats = draws(3 * row)  # the looks' batches of 8 and 2 in calls of 3, 3, 2 and 2
+    assert [len(t) for _, t in split] == [8, 2] and split == whole and split_stats == whole_stats
+    assert harness.rows_per_call(V, k, tree) == 3 and harness.rows_per_call(10**9, k, tree) == 1

@@ -25,7 +25,7 @@ from ..drafters import make_drafter
 from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
-from ..tree import DynamicTree, check_tree, tree_text
+from ..tree import AUTO_SHAPES, DynamicTree, check_tree, tree_size, tree_text
 from .engines import ENGINES, TransformersEngine
 from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
@@ -121,16 +121,45 @@ def _minispec_chunks(target, draft, prompts, counts, T, params: SamplingParams, 
             bar.close()
 
 
+# The distributions one speculate call of the harness may hold, about: a round keeps the target's and the draft's
+# (drafts + 1, V) float64 rows per sequence, so a 256-sample batch of a 15-node tree over a 152k vocabulary would
+# hold ~19 GB; such a batch is drawn in several calls instead (the same samples: sequence i draws from seed + i).
+SAMPLING_BYTES = 4 * 2**30
+
+
+def _drafts_per_row(k, tree) -> int:
+    """The most draft tokens a round proposes for one sequence under these settings."""
+    if tree == "auto":
+        return max(tree_size(shape) for shape in AUTO_SHAPES)
+    if isinstance(tree, DynamicTree):
+        return tree_size(tree.caps, tree.width)
+    if tree is not None:
+        return tree_size(tuple(tree))
+    if isinstance(k, AdaptiveK):
+        return k.k_max
+    return AdaptiveK().k_max if isinstance(k, str) else k
+
+
+def rows_per_call(vocab_size: int, k, tree) -> int:
+    """Sequences per speculate call of the harness: as many as keep the call's distributions within SAMPLING_BYTES."""
+    return max(1, SAMPLING_BYTES // ((_drafts_per_row(k, tree) + 1) * vocab_size * 8 * 2))
+
+
 def _minispec_draws(target, draft, prompts, counts, T, params, k, sampler, seed, batch_size, stats, bar, tree=None):
+    most = batch_size if draft is None else rows_per_call(target.config.vocab_size, k, tree)
     for j, g, b in _chunked(counts, batch_size):
-        kw = dict(max_new_tokens=T, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                  seed=seed + g, stop_tokens=[])
-        if draft is None:
-            tokens = target.generate([prompts[j]] * b, **kw)
-        else:
-            r = target.speculate(draft, [prompts[j]] * b, sampler=sampler, **({"k": k} if tree is None else
-                                                                                  {"tree": tree}), **kw)
-            tokens = r.tokens
+        calls = -(-b // most)
+        tokens = []
+        for c in range(calls):  # a look's batch in equal calls of at most `most` sequences
+            lo, hi = b * c // calls, b * (c + 1) // calls
+            kw = dict(max_new_tokens=T, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                      seed=seed + g + lo, stop_tokens=[])
+            if draft is None:
+                tokens += target.generate([prompts[j]] * (hi - lo), **kw)
+                continue
+            r = target.speculate(draft, [prompts[j]] * (hi - lo), sampler=sampler,
+                                 **({"k": k} if tree is None else {"tree": tree}), **kw)
+            tokens += r.tokens
             for name in ("drafted", "accepted", "committed", "sequence_rounds"):
                 stats[name] = stats.get(name, 0) + getattr(r.stats, name)
         _check_lengths(tokens, T, "the sampler")
