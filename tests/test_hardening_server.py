@@ -337,7 +337,14 @@ def _cli_process(target_dir, url, *argv):
     return subprocess.Popen([sys.executable, "-m", "minispec", "equivalence", "--target", str(target_dir), "--engine",
                              "llama.cpp", "--url", url, "--prompt", "ab cd", "--samples", "10", "--tokens", "3",
                              "--power-runs", "0", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python turns it into KeyboardInterrupt even
+    when the tests run under a parent that ignores it (a background job of a shell without job control, nohup
+    scripts): an ignored SIGINT is inherited, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(handler, path, proc, seconds=60.0):
