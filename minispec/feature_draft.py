@@ -70,16 +70,17 @@ class FeatureDraft(nn.Module):
         return self.feature_norm.weight.dtype
 
     def forward_states(self, states: torch.Tensor, embeds: torch.Tensor, pool=None, meta=None,
-                       positions: torch.Tensor | None = None) -> torch.Tensor:
+                       positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """states, embeds (B, T, target_dim) -> predicted next states (B, T, target_dim). With no cache (pool None)
-        a full causal pass from position 0 (training); else over the cache's slots as Transformer.step does."""
+        a full pass (training): causal from position 0, or at `positions` under a boolean (T, T) `attn_mask`;
+        else over the cache's slots as Transformer.step does."""
         x = kernels.linear(torch.cat((self.feature_norm(states), self.embed_norm(embeds)), -1), self.fc.weight,
                            self.fc.bias)
         if positions is None:
             B, T = states.shape[:2]
             positions = torch.arange(T, device=states.device).expand(B, T)
         cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])
-        x = self.layer(x, cos, sin, pool, meta)
+        x = self.layer(x, cos, sin, pool, meta, attn_mask=attn_mask)
         return x if self.up is None else kernels.linear(x, self.up.weight)
 
     def head_logits(self, pred: torch.Tensor) -> torch.Tensor:

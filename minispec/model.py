@@ -119,15 +119,18 @@ class Attention(nn.Module):
         fuse_projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [H * D, Hkv * D, Hkv * D])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                pool: torch.Tensor | None, meta: AttentionMetadata | None, rows_alike: bool = False) -> torch.Tensor:
+                pool: torch.Tensor | None, meta: AttentionMetadata | None, rows_alike: bool = False,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_mask: with no cache only, a boolean (T, T) mask (True: attend) in place of the causal one."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # queries and keys rotated together: (B, T, H+Hkv, D)
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        if pool is None:  # full causal forward over exactly these tokens
+        if pool is None:  # full forward over exactly these tokens: causal, or as attn_mask says
             k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)  # (B, Hkv, T, D)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                                 enable_gqa=H != Hkv)
         else:
             # write the valid new tokens' K and V (side by side: (.., 2*Hkv, D)) into their pool
             # slots (pool: (num_slots, 2*Hkv, D), this layer's), then read each sequence's whole context
@@ -174,8 +177,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, pool, meta, rows_alike: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x, rows_alike), cos, sin, pool, meta, rows_alike)
+    def forward(self, x, cos, sin, pool, meta, rows_alike: bool = False, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x, rows_alike), cos, sin, pool, meta, rows_alike, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x, rows_alike))
 
 

@@ -119,16 +119,41 @@ def test_q_is_zero_outside_the_draft_vocabulary(pair):
     assert any(t in outside for row in res.tokens for t in row)  # the target still emits them, through the residual
 
 
-def test_training_resumes_and_repeats(tmp_path):
+def test_the_unrolled_pass_computes_the_second_drafting_step(pair):
+    # training's unrolled pass (unroll 2) must compute what drafting does: its first T entries the causal pass,
+    # its entry T + m what the cached draft predicts at position m + 1 from its own first prediction
+    target, draft, _ = pair
+    g = torch.Generator().manual_seed(2)
+    T, D = 7, draft.target_dim
+    states, embeds = torch.randn(1, T, D, generator=g), torch.randn(1, T, D, generator=g)
+    with torch.no_grad():
+        first = draft.forward_states(states, embeds)
+        positions = torch.cat((torch.arange(T), torch.arange(1, T)))[None]
+        both = draft.forward_states(torch.cat((states, first[:, :-1]), 1), torch.cat((embeds, embeds[:, 1:]), 1),
+                                    positions=positions, attn_mask=tfd.unrolled_mask(T))
+    torch.testing.assert_close(both[:, :T], first, atol=1e-5, rtol=1e-5)
+    cache = draft.new_cache(block_size=4)
+    s = cache.new_sequence()
+    for m in range(T - 1):
+        draft.step(cache, [s], [states[0, :m + 1]], [embeds[0, :m + 1]])
+        second = draft.step(cache, [s], [first[0, m:m + 1]], [embeds[0, m + 1:m + 2]])
+        torch.testing.assert_close(second[0], both[0, T + m], atol=1e-5, rtol=1e-5)
+        cache.truncate(s, 0)
+
+
+@pytest.mark.parametrize("unroll,decay_steps", [(1, 0), (2, 6)])
+def test_training_resumes_and_repeats(tmp_path, unroll, decay_steps):
     torch.set_num_threads(1)
     target = peaked_model(0, V, n_layers=3)
     for d in ("a", "b", "c"):
         tiny_data(target, tmp_path / d, n=8, max_new=8)
-    straight = train(target, tmp_path / "a", 6)
-    train(target, tmp_path / "b", 3)  # interrupted after 3 steps: its checkpoint is all that is left
-    resumed = train(target, tmp_path / "b", 6)
-    again = train(target, tmp_path / "c", 6)
-    other = tfd.train(target, tmp_path / "c", tfd.TrainConfig(**CFG, seed=0), steps=7, progress=False)
+    cfg = tfd.TrainConfig(**CFG, unroll=unroll, decay_steps=decay_steps)
+    train = lambda run_dir, steps: tfd.train(target, run_dir, cfg, steps=steps, progress=False)  # noqa: E731
+    straight = train(tmp_path / "a", 6)
+    train(tmp_path / "b", 3)  # interrupted after 3 steps: its checkpoint is all that is left
+    resumed = train(tmp_path / "b", 6)
+    again = train(tmp_path / "c", 6)
+    other = train(tmp_path / "c", 7)
     for name, w in straight.state_dict().items():
         assert torch.equal(w, resumed.state_dict()[name]), name
         assert torch.equal(w, again.state_dict()[name]), name

@@ -54,6 +54,9 @@ class TrainConfig:
     feature_weight: float = 1.0  # smooth-L1 on the predicted state, beside the token cross-entropy
     batch: int = 4  # sequences per step
     seed: int = 0
+    unroll: int = 1  # 2: also train the second drafting step on the draft's own predicted states
+    decay_steps: int = 0  # the learning rate falls from lr to final_lr * lr over this many steps (cosine; 0: constant)
+    final_lr: float = 0.1
 
 
 def training_examples(target: Transformer, data_dir: Path) -> list[dict]:
@@ -95,21 +98,58 @@ def make_batch(examples: list[dict], index: torch.Tensor) -> dict:
     return b
 
 
-def loss_of(draft: FeatureDraft, b: dict, feature_weight: float) -> tuple[torch.Tensor, dict]:
-    pred = draft.forward_states(b["states"], b["embeds"])
+def unrolled_mask(T: int) -> torch.Tensor:
+    """Attention for the unrolled pass (EAGLE-3's training-time test): entries 0..T-1 are the first drafting step
+    over the target's states (causal); entry T + m, the second step at position m + 1, attends to the first
+    step's entries at positions 0..m (what the draft's cache holds when it drafts there) and to itself."""
+    mask = torch.ones(2 * T - 1, 2 * T - 1, dtype=torch.bool).tril()
+    mask[T:, T:] = torch.eye(T - 1, dtype=torch.bool)
+    mask[T:, :T] = torch.ones(T - 1, T, dtype=torch.bool).tril()
+    return mask
+
+
+def step_terms(draft: FeatureDraft, pred: torch.Tensor, b: dict, sl: slice) -> tuple[torch.Tensor, ...]:
+    """Cross-entropy against the target's top-k, smooth L1 on the state and top-1 agreement, over entries sl."""
     logq = torch.log_softmax(F.linear(pred, draft.lm_head.weight).float(), -1)
-    v = b["valid"]
+    v = b["valid"][:, sl]
     n = v.sum().clamp_min(1)
-    ce = (-(b["p"] * logq.gather(-1, b["ids"])).sum(-1) * v).sum() / n
-    reg = (F.smooth_l1_loss(pred, b["next"], reduction="none").mean(-1) * v).sum() / n
-    agree = ((logq.argmax(-1) == b["top1"]) & v).sum() / n
-    return ce + feature_weight * reg, {"ce": ce.item(), "reg": reg.item(), "agree": agree.item()}
+    ce = (-(b["p"][:, sl] * logq.gather(-1, b["ids"][:, sl])).sum(-1) * v).sum() / n
+    reg = (F.smooth_l1_loss(pred, b["next"][:, sl], reduction="none").mean(-1) * v).sum() / n
+    agree = ((logq.argmax(-1) == b["top1"][:, sl]) & v).sum() / n
+    return ce, reg, agree
+
+
+def loss_of(draft: FeatureDraft, b: dict, feature_weight: float, unroll: int = 1) -> tuple[torch.Tensor, dict]:
+    """The first drafting step's loss; with unroll 2, plus the second step's, which reads the first step's
+    predicted state (detached) and the embedding of the token after, as drafting does."""
+    B, T, _ = b["states"].shape
+    if unroll == 1 or T < 2:
+        pred = draft.forward_states(b["states"], b["embeds"])
+        ce, reg, agree = step_terms(draft, pred, b, slice(None))
+        return ce + feature_weight * reg, {"ce": ce.item(), "reg": reg.item(), "agree": agree.item()}
+    with torch.no_grad():
+        first = draft.forward_states(b["states"], b["embeds"])
+    positions = torch.cat((torch.arange(T), torch.arange(1, T))).expand(B, -1)
+    states = torch.cat((b["states"], first[:, :-1]), 1)
+    embeds = torch.cat((b["embeds"], b["embeds"][:, 1:]), 1)
+    pred = draft.forward_states(states, embeds, positions=positions, attn_mask=unrolled_mask(T))
+    ce, reg, agree = step_terms(draft, pred[:, :T], b, slice(None))
+    ce2, reg2, agree2 = step_terms(draft, pred[:, T:], b, slice(1, None))
+    loss = ce + ce2 + feature_weight * (reg + reg2)
+    return loss, {"ce": ce.item(), "reg": reg.item(), "agree": agree.item(), "agree2": agree2.item()}
 
 
 def optimizer(draft: FeatureDraft, cfg: TrainConfig) -> torch.optim.Optimizer:
     draft.lm_head.weight.requires_grad_(False)  # the target's own rows: frozen, as EAGLE keeps the target's head
     params = [p for p in draft.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def lr_scale(final: float, step: int, steps: int) -> float:
+    """Cosine from 1 at step 0 to `final` at `steps` and after (1 throughout when steps is 0)."""
+    if steps <= 0:
+        return 1.0
+    return final + (1 - final) * 0.5 * (1 + float(np.cos(np.pi * min(step / steps, 1.0))))
 
 
 def epoch_order(n: int, epoch: int, batch: int, seed: int) -> list[list[int]]:
@@ -171,8 +211,9 @@ def train(target: Transformer, run_dir: Path, cfg: TrainConfig, steps: int | Non
             order, pos = epoch_order(len(train_set), epoch, cfg.batch, cfg.seed), 0
             epoch += 1
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        loss, metrics = loss_of(draft, make_batch([train_set[i] for i in order[pos]], index), cfg.feature_weight)
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * lr_scale(cfg.final_lr, step, cfg.decay_steps)
+        loss, metrics = loss_of(draft, make_batch([train_set[i] for i in order[pos]], index), cfg.feature_weight,
+                                cfg.unroll)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -187,9 +228,15 @@ def train(target: Transformer, run_dir: Path, cfg: TrainConfig, steps: int | Non
     draft.eval()
     if val_set:
         with torch.no_grad():
-            _, val = loss_of(draft, make_batch(val_set, index), cfg.feature_weight)
-        best = val["agree"]
-        print(f"step {step}: validation top-1 agreement {val['agree']:.3f}, ce {val['ce']:.3f}", file=sys.stderr)
+            _, val = loss_of(draft, make_batch(val_set, index), cfg.feature_weight, 2)
+            best = val["agree"]
+            print(f"step {step}: validation top-1 agreement {val['agree']:.3f} (second step {val['agree2']:.3f}), "
+                  f"ce {val['ce']:.3f}", file=sys.stderr)
+            for kind in sorted({e["name"].split("-")[0] for e in val_set}):  # the target's answers, source code
+                part = [e for e in val_set if e["name"].startswith(kind + "-")]
+                _, v = loss_of(draft, make_batch(part, index), cfg.feature_weight, 2)
+                print(f"  {kind} ({len(part)} sequences): {v['agree']:.3f} (second step {v['agree2']:.3f})",
+                      file=sys.stderr)
     save()
     torch.set_rng_state(rng_before)  # the caller's RNG as it was
     return draft
@@ -277,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--src", type=int, default=400, help="pieces of site-packages source, teacher-forced")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--collect-minutes", type=float, default=None)
+    ap.add_argument("--collect-batch", type=int, default=8, help="sequences a pass while collecting (16 generates "
+                    "half again as many positions a second as 8 on 2 cores)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--train-minutes", type=float, default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -297,7 +346,7 @@ def run_stages(args) -> None:
     run_dir = Path(args.run)
     if args.stage in ("collect", "all"):
         collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
-                minutes=args.collect_minutes)
+                batch=args.collect_batch, minutes=args.collect_minutes)
     if args.stage == "collect":
         return
     if args.stage == "measure":
