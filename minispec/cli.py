@@ -37,7 +37,7 @@ from .equivalence import (
     run_equivalence,
 )
 from .equivalence.harness import check_window
-from .equivalence.http import ServerError, base_url
+from .equivalence.http import REQUEST_S, ServerError, base_url
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
 from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size
 from .equivalence.openai import KINDS as REMOTE_KINDS
@@ -324,6 +324,9 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-url", type=_url, metavar="URL",
                    help="without --target: a deployment of the same model without speculation, whose samples are "
                         "the two-sample audit's reference (the same engine kind as --url)")
+    p.add_argument("--request-timeout", type=_float_in(0.0, float("inf"), lo_open=True), metavar="SECONDS",
+                   default=REQUEST_S, help="server engines: the deadline of one whole answer, a trickling one "
+                                           f"included (default {REQUEST_S:g})")
     p.add_argument("--concurrency", type=_int_at_least(1), metavar="N",
                    help="server engines: requests kept in flight, which the server batches (default 4 for a "
                         "llama-server, 1 otherwise)")
@@ -563,11 +566,12 @@ def _remote_audit(args, target, prompts: list[list[int]]):
             ctx = context_size(prompts, args.tokens, k)
             started = stack.enter_context(LlamaServer(args.server_model, args.server_draft, k=args.k,
                                                       threads=args.server_threads, ctx_size=ctx,
-                                                      parallel=concurrency))
+                                                      parallel=concurrency, timeout=args.request_timeout))
             test_url = started.client.url + "/v1"
             if args.reference_url is None:
                 plain = stack.enter_context(LlamaServer(args.server_model, None, threads=args.server_threads,
-                                                        ctx_size=ctx, parallel=concurrency))
+                                                        ctx_size=ctx, parallel=concurrency,
+                                                        timeout=args.request_timeout))
                 ref_url = plain.client.url + "/v1"
             else:
                 ref_url = args.reference_url + "/v1"
@@ -576,7 +580,7 @@ def _remote_audit(args, target, prompts: list[list[int]]):
         else:
             test_url, ref_url = args.url, args.reference_url
         kind = "sglang" if args.engine == "sglang" else "openai"
-        endpoint = Endpoint(test_url, kind, model=args.model)
+        endpoint = Endpoint(test_url, kind, model=args.model, deadline=args.request_timeout)
         check = "skipped"
         if target is not None and not args.no_model_check:
             check = check_same_model(endpoint, target, prompts[0])  # before any sampling
@@ -585,7 +589,8 @@ def _remote_audit(args, target, prompts: list[list[int]]):
         if target is not None:
             return drawing, None  # drawn as audit_samples scores it, so a failed early-stop look ends the sampling
         # the reference's seeds follow the test's, so no seed is used twice; both drawn in step, with early looks
-        reference = arm(Endpoint(ref_url, kind, model=args.model), args.seed + n, "reference")
+        reference = arm(Endpoint(ref_url, kind, model=args.model, deadline=args.request_timeout), args.seed + n,
+                        "reference")
         report = audit(drawing, reference, args.batch_size, alpha=args.alpha, seed=args.seed,
                        power_runs=args.power_runs,
                        names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
@@ -599,10 +604,12 @@ def _server_audit(args, target, prompts: list[list[int]], test: dict):
               top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
               workers=args.concurrency or 4)
     if args.url is not None:
-        return audit_samples(target, server_drawing(target, ServerClient(args.url), prompts, **kw), **test)
+        return audit_samples(target, server_drawing(target, ServerClient(args.url, timeout=args.request_timeout),
+                                                    prompts, **kw), **test)
     k = args.k if args.server_draft is not None else 0
     with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
-                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or 4) as server:
+                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or 4,
+                     timeout=args.request_timeout) as server:
         drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
         return audit_samples(target, drawing, **test)
 
@@ -757,8 +764,25 @@ def _check_environment() -> None:
         raise UsageError(str(e)) from None
 
 
+LIST_OPTIONS = ("--tree", "--prompt-ids")  # options whose value is a comma-separated list of integers
+
+
+def _attach_list_values(argv: list[str]) -> list[str]:
+    """`--tree -1,2` as `--tree=-1,2`: argparse takes a value that starts with "-" and is no plain number for an
+    option, so "-1,2" would read as a missing value instead of reaching the option's own check."""
+    if not argv or argv[0] not in ("generate", "equivalence"):  # bench hands its arguments on untouched
+        return argv
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] in LIST_OPTIONS and len(a) > 1 and a[0] == "-" and a[1].isdigit():
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_attach_list_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         _check_environment()
         return args.run(args)

@@ -8,17 +8,20 @@ FeatureDrafter bound to the target, since it reads the target's embedding and hi
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, check_head_ids
 from .config import DTYPES, ModelConfig, read_json
-from .errors import check_compatible, one_line
+from .errors import check_compatible, one_line, show
 from .feature_draft import KIND, FeatureDraft, FeatureDrafter, check_feature_draft
 from .model import Transformer
 
 FORMS = (*DTYPES, "int4")  # what `dtype` may name: a compute dtype, or int4 products on a CPU
+HEADER_BYTES = 1 << 20  # room for a feature draft's safetensors header (a few KB: about 15 tensors)
 
 
 def load_draft(path, target, dtype: str | None = None, device=None):
@@ -29,6 +32,8 @@ def load_draft(path, target, dtype: str | None = None, device=None):
     where it says so), else as stored, except that a bfloat16 draft computes in the target's dtype on a CPU,
     where bf16 has no fast kernels on most machines (docs/benchmarks.md, "bf16 target"). The output stays the
     target's whatever the draft's form."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"a draft is a directory path (a str or os.PathLike), got {show(path)}")
     path = Path(path)
     if dtype is not None and dtype not in FORMS:
         raise CheckpointError(f"draft dtype must be one of {', '.join(FORMS)}, got {dtype!r}")
@@ -53,7 +58,7 @@ def load_draft(path, target, dtype: str | None = None, device=None):
 def load_feature_draft(path: Path, target, config: dict, dtype: str | None = None, device=None) -> FeatureDraft:
     """A feature draft's module, checked against the target before anything is built, its tensors checked
     against its config before they are loaded. fp32 unless `dtype` says otherwise ("int4" on a CPU)."""
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     check_feature_draft(config, target, str(path))
     try:
@@ -62,15 +67,30 @@ def load_feature_draft(path: Path, target, config: dict, dtype: str | None = Non
             expected = {k: tuple(v.shape) for k, v in FeatureDraft(layer, config["target_dim"]).state_dict().items()}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not a usable feature draft config ({one_line(e)})") from None
+    wfile = path / "model.safetensors"
+    # safetensors maps the whole file: one larger than this config's tensors could fill (a 50 GB sparse file) is
+    # refused before it is mapped; the header is checked against the file's size by safetensors and against the
+    # config below, before any tensor is read
+    most = HEADER_BYTES + 8 * sum(math.prod(shape) for shape in expected.values())
+    size = wfile.stat().st_size if wfile.is_file() else None
+    if size is not None and size > most:
+        raise CheckpointError(f"{wfile} is {size} bytes, more than the {most} its config.json's tensors can take: "
+                              "not this draft's weights")
     try:
-        tensors = load_file(str(path / "model.safetensors"))
-    except (OSError, RuntimeError, ValueError) as e:  # missing, truncated, not safetensors
-        raise CheckpointError(f"{path}/model.safetensors cannot be read ({one_line(e)})") from None
-    wrong = sorted(set(expected) ^ set(tensors)) or [k for k in expected if tuple(tensors[k].shape) != expected[k]]
-    if wrong:
-        raise CheckpointError(f"{path}: model.safetensors does not match its config.json (e.g. {wrong[0]})")
-    if int(tensors["head_ids"].min()) < 0 or int(tensors["head_ids"].max()) >= layer.vocab_size:
-        raise CheckpointError(f"{path}: its draft vocabulary holds ids outside [0, {layer.vocab_size})")
+        with safe_open(str(wfile), framework="pt") as f:
+            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+            wrong = sorted(set(expected) ^ set(shapes)) or [k for k in expected if shapes[k] != expected[k]]
+            if wrong:
+                k = wrong[0]
+                raise CheckpointError(f"{path}: model.safetensors does not match its config.json (e.g. {k}: "
+                                      f"{shapes.get(k, 'absent')} in the file, {expected.get(k, 'absent')} by the "
+                                      "config)")
+            tensors = {n: f.get_tensor(n) for n in shapes}
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # missing, empty, truncated, not safetensors
+        raise CheckpointError(f"{wfile} cannot be read ({one_line(e)})") from None
+    check_head_ids(tensors["head_ids"], layer.vocab_size, str(wfile))
     draft = FeatureDraft(layer, config["target_dim"])
     draft.load_state_dict(tensors)
     float_dtype = DTYPES[dtype] if dtype in DTYPES else torch.float32

@@ -12,7 +12,7 @@ import torch
 
 from .errors import GenerationError, check_compatible, check_int
 from .sampling import SamplingParams, logits_to_probs, sample_rows
-from .tree import allocate, draw_children, fitting, top_children
+from .tree import AdaptiveTree, allocate, draw_children, fitting, top_children, tree_text
 
 PROMPT_LOOKUP = "prompt-lookup"  # the name that selects PromptLookupDrafter
 
@@ -307,6 +307,15 @@ class PromptLookupDrafter(Drafter):
         tokens = [self.lookup(contexts[r], kk) if kk > 0 else [] for r, kk in zip(rows, ks)]
         self.steps = 0
         return tokens, [one_hot(t, self.vocab_size) for t in tokens]
+
+
+def check_tree_drafter(drafter: Drafter, tree) -> None:
+    """A tree (fixed, WxD, "auto" or an AdaptiveTree) needs a drafter that drafts trees: one that drafts chains only
+    is refused before any work (a WxD tree would otherwise reach its propose_tree with a width it does not take)."""
+    if tree is not None and type(drafter).propose_tree is Drafter.propose_tree:
+        what = "'auto'" if tree == "auto" or isinstance(tree, AdaptiveTree) else tree_text(tree)
+        raise GenerationError(f"tree={what} needs a drafter that drafts trees (a model draft); "
+                              f"{type(drafter).__name__} drafts chains only: pass k")
 
 
 def make_drafter(target, draft, draw: Draw = draw_exact) -> Drafter:

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import PagedKVCache
+from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .drafters import Drafter, add_picks, as_proposal, draw_exact, draw_step
-from .errors import GenerationError
+from .errors import GenerationError, is_int, show
 from .forms import Int4Weight, int4_supported, set_weight
 from .model import Block, RMSNorm, Transformer
 
@@ -263,16 +264,32 @@ class FeatureDrafter(Drafter):
 
 
 def check_feature_draft(config: dict, target, where: str) -> None:
-    """A feature draft's config.json against the target: width, vocabulary, tokenizer (one-line errors)."""
+    """A feature draft's config.json: its fields present and typed (a CheckpointError naming the field), then
+    against the target: width, vocabulary, tokenizer (a GenerationError). One line each."""
     tc = target.config
-    layer = config.get("layer", {})
-    if config.get("target_dim") != tc.dim:
-        raise GenerationError(f"{where} was trained for a target of width {config.get('target_dim')}; this "
+    layer = config.get("layer")
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{where}/config.json: \"layer\" must be an object (the draft layer's config), got "
+                              f"{'nothing' if layer is None else show(layer)}")
+    fields = {"target_dim": config.get("target_dim"), "layer.vocab_size": layer.get("vocab_size"),
+              "layer.n_layers": layer.get("n_layers")}
+    for name, v in fields.items():
+        if v is None:
+            raise CheckpointError(f"{where}/config.json has no {name}")
+        if not is_int(v):  # "576" would print as the width it is compared with and still differ
+            raise CheckpointError(f"{where}/config.json: {name} must be an integer, got {show(v)}")
+    if fields["layer.n_layers"] != 1:
+        raise CheckpointError(f"{where}/config.json: layer.n_layers is {fields['layer.n_layers']}; a feature draft "
+                              "is one decoder layer")
+    if "tokenizer_fingerprint" not in config:
+        raise CheckpointError(f"{where}/config.json has no tokenizer_fingerprint (null for a target without one)")
+    if config["target_dim"] != tc.dim:
+        raise GenerationError(f"{where} was trained for a target of width {config['target_dim']}; this "
                               f"target's is {tc.dim}")
-    if layer.get("vocab_size") != tc.vocab_size:
-        raise GenerationError(f"{where} drafts over {layer.get('vocab_size')} token ids; this target has "
+    if layer["vocab_size"] != tc.vocab_size:
+        raise GenerationError(f"{where} drafts over {layer['vocab_size']} token ids; this target has "
                               f"{tc.vocab_size}")
     fp = getattr(getattr(target, "tokenizer", None), "fingerprint", None)
-    if config.get("tokenizer_fingerprint") != fp:
+    if config["tokenizer_fingerprint"] != fp:
         raise GenerationError(f"{where} was trained for a target whose tokenizer fingerprint is "
-                              f"{config.get('tokenizer_fingerprint')!r}; this target's is {fp!r}")
+                              f"{show(config['tokenizer_fingerprint'], 100)}; this target's is {fp!r}")

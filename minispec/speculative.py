@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import AUTO_FIXED, AdaptiveK, auto_k, best_k, expected_tokens, fixed_cost_ratio  # noqa: F401
-from .drafters import CachedRows, Drafter, ModelDrafter, PromptLookupDrafter, draw_exact, make_drafter  # noqa: F401
+from .drafters import (  # noqa: F401
+    CachedRows,
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    check_tree_drafter,
+    draw_exact,
+    make_drafter,
+)
 from .errors import (
     GenerationError,
     check_callable,
@@ -470,10 +478,8 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     batch, single = normalize_prompts(target, prompts)
     adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
     auto_tree = tree if isinstance(tree, AdaptiveTree) else None  # tree="auto" and its like: a shape per round
+    check_tree_drafter(drafter, tree)
     if auto_tree is not None or tree == "auto":
-        if type(drafter).propose_tree is Drafter.propose_tree:  # refused now, not at the first tree it picks
-            raise GenerationError(f"tree='auto' needs a drafter that drafts trees (a model draft); "
-                                  f"{type(drafter).__name__} drafts chains only")
         if auto_tree is None:
             auto_tree = auto_k(target, draft, params, len(batch), policy.name, make=AdaptiveTree)
         adaptive, tree = auto_tree, None  # _Run gets each round's shape; a chain's runs as a chain round

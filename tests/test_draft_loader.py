@@ -9,6 +9,7 @@ A draft made for another target (another tokenizer, width or vocabulary) is refu
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -104,3 +105,127 @@ def test_the_command_line_drafts_with_a_feature_draft(dirs, capsys):
     assert run_main([*args, "--draft", str(root / "feature-other")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "tokenizer fingerprint" in err
+
+
+def feature_copy(root, tmp_path, name="copy", weights: bytes | None = None, **config_changes):
+    """The feature draft copied to tmp_path/name, its config.json's top-level fields (or "layer.FIELD") changed (a
+    value of ... removes the field) and its weights replaced by `weights` when given."""
+    d = tmp_path / name
+    d.mkdir()
+    config = json.loads((root / "feature" / "config.json").read_text())
+    for key, v in config_changes.items():
+        where, _, field = key.rpartition("__")
+        held = config["layer"] if where == "layer" else config
+        if v is ...:
+            held.pop(field, None)
+        else:
+            held[field] = v
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").write_bytes((root / "feature" / "model.safetensors").read_bytes()
+                                          if weights is None else weights)
+    return d
+
+
+@pytest.mark.parametrize("weights, match", [
+    (b"", "header too small"),  # an empty file
+    (None, "incomplete metadata"),  # truncated: its first half
+])
+def test_an_empty_or_truncated_feature_draft_is_one_line(dirs, tmp_path, capsys, weights, match):
+    root, target = dirs
+    whole = (root / "feature" / "model.safetensors").read_bytes()
+    d = feature_copy(root, tmp_path, weights=whole[:len(whole) // 2] if weights is None else weights)
+    with pytest.raises(CheckpointError, match=f"model.safetensors cannot be read .*{match}") as e:
+        load_draft(d, target)
+    assert "\n" not in str(e.value)
+    args = ["--target", str(root / "target"), "--draft", str(d)]
+    assert run_main(["generate", *args, "--prompt", "w1 w5", "--max-new-tokens", "4", "--device", "cpu"]) == 1
+    assert run_main(["equivalence", *args, "--prompt", "w1 w5", "--samples", "64", "--tokens", "2",
+                     "--power-runs", "0", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") and match in line for line in err), err
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"layer": 5}, '"layer" must be an object'),
+    ({"layer": ...}, '"layer" must be an object .*got nothing'),
+    ({"target_dim": "32"}, "target_dim must be an integer, got '32'"),
+    ({"layer__vocab_size": 24.0}, "layer.vocab_size must be an integer, got 24.0"),
+    ({"layer__vocab_size": ...}, "has no layer.vocab_size"),
+    ({"target_dim": ...}, "has no target_dim"),
+    ({"layer__n_layers": 3}, "layer.n_layers is 3; a feature draft is one decoder layer"),
+    ({"layer__n_layers": ...}, "has no layer.n_layers"),
+    ({"tokenizer_fingerprint": ...}, "has no tokenizer_fingerprint"),
+])
+def test_feature_draft_config_fields_are_typed_and_present(dirs, tmp_path, capsys, changes, match):
+    root, target = dirs
+    d = feature_copy(root, tmp_path, **changes)
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_draft(d, target)
+    assert "\n" not in str(e.value)
+    assert run_main(["generate", "--target", str(root / "target"), "--draft", str(d), "--prompt", "w1",
+                     "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_duplicate_head_ids_are_refused(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    root, target = dirs
+    tensors = load_file(str(root / "feature" / "model.safetensors"))
+    tensors["head_ids"][1] = tensors["head_ids"][0]  # two rows scoring one token
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    d = feature_copy(root, tmp_path, weights=(tmp_path / "w.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="head_ids must be distinct token ids"):
+        load_draft(d, target)
+
+
+@pytest.mark.parametrize("path", [None, 5, ["a"]])
+def test_a_draft_path_that_is_no_path_is_refused(dirs, path):
+    with pytest.raises(CheckpointError, match="a draft is a directory path"):
+        load_draft(path, dirs[1])
+
+
+def test_oversized_feature_draft_weights_are_refused_before_allocating(dirs, tmp_path):
+    import struct
+
+    root, target = dirs
+    # a 50 GB sparse file (no disk used): refused by its size against what the config's tensors can take
+    d = feature_copy(root, tmp_path, "sparse", weights=b"")
+    os.truncate(d / "model.safetensors", 50 << 30)
+    with pytest.raises(CheckpointError, match=r"is 53687091200 bytes, more than the \d+ its config.json's tensors"):
+        load_draft(d, target)
+    # a header declaring a 20 GB fc.weight over a small file: refused by safetensors' check of the file's size
+    raw = (root / "feature" / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    start = header["fc.weight"]["data_offsets"][0]
+    header["fc.weight"].update(shape=[100_000, 100_000], data_offsets=[start, start + 2 * 10**10])
+    for name, t in header.items():  # the tensors after it move along
+        if name not in ("__metadata__", "fc.weight") and t["data_offsets"][0] > start:
+            t["data_offsets"] = [o + 2 * 10**10 for o in t["data_offsets"]]
+    text = json.dumps(header).encode()
+    d = feature_copy(root, tmp_path, "header", weights=struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read"):
+        load_draft(d, target)
+    # the same header over a sparse file as large as it declares: refused by the size the config implies
+    os.truncate(d / "model.safetensors", 8 + len(text) + max(t["data_offsets"][1] for k, t in header.items()
+                                                              if k != "__metadata__"))
+    with pytest.raises(CheckpointError, match="its config.json's tensors can take"):
+        load_draft(d, target)
+
+
+def test_a_feature_draft_drafts_no_tree(dirs, capsys):
+    from minispec import DynamicTree
+
+    root, target = dirs
+    drafter = load_draft(root / "feature", target)
+    for tree in ((2, 2), DynamicTree(2, 2), "auto"):
+        with pytest.raises(GenerationError, match="FeatureDrafter drafts chains only"):
+            target.speculate(drafter, [1, 5, 2], tree=tree, max_new_tokens=4)
+    args = ["--target", str(root / "target"), "--draft", str(root / "feature"), "--prompt", "w1 w5", "--device", "cpu"]
+    assert run_main(["generate", *args, "--tree", "4x3", "--max-new-tokens", "4"]) == 1
+    assert run_main(["equivalence", *args, "--tree", "2x2", "--samples", "64", "--tokens", "2",
+                     "--power-runs", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: tree=") and "drafts chains only" in line for line in err), err

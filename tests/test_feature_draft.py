@@ -209,3 +209,70 @@ def test_the_real_pair_greedy_equals_generate():
     res = target.speculate(drafter, ids, k=3, max_new_tokens=24, stop_tokens=[])
     assert res.tokens == target.generate(ids, max_new_tokens=24, stop_tokens=[])
     assert res.stats.accepted > 0
+
+
+def a_run(tmp_path, best: float):
+    """(target, run folder) with a training checkpoint as train() writes it, without training: `best` is the
+    validation agreement it holds (-1: no validation pass measured one)."""
+    from dataclasses import asdict
+
+    target = peaked_model(0, V, n_layers=3)
+    draft = build_feature_draft(target, torch.arange(12), ffn_dim=64)
+    run_dir = tmp_path / "run"
+    tfd.save_checkpoint(run_dir / "ckpt.pt", {
+        "model": draft.state_dict(), "optimizer": {}, "step": 3, "epoch": 1, "order": None, "pos": 0,
+        "best": best, "rng": torch.get_rng_state(), "train_config": asdict(tfd.TrainConfig(**CFG)),
+        "model_config": {"layer": draft.config.to_dict(), "target_dim": draft.target_dim}})
+    return target, run_dir
+
+
+def test_export_refuses_a_folder_with_files_and_replaces_it_whole_with_overwrite(tmp_path, capsys):
+    target, run_dir = a_run(tmp_path, 0.5)
+    out = tmp_path / "draft"
+    out.mkdir()
+    (out / "notes.txt").write_text("an older draft's notes")
+    argv = ["export", "--target", str(tmp_path / "absent"), "--run", str(run_dir), "--out", str(out)]
+    assert tfd.main(argv) == 1  # refused before the target loads
+    err = capsys.readouterr().err
+    assert err == f"error: --out {out} exists and is not empty; pass --overwrite to replace it whole\n"
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        tfd.export(target, run_dir, str(out))
+    tfd.export(target, run_dir, str(out), overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "run"]  # no temporary sibling left
+    assert isinstance(load_draft(out, target), FeatureDrafter)
+    assert "validation top-1 agreement 0.500" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tfd.export(target, run_dir, str(empty))  # an empty folder needs no --overwrite
+
+
+def test_export_says_an_unmeasured_agreement_is_not_measured(tmp_path, capsys):
+    import json
+
+    target, run_dir = a_run(tmp_path, -1.0)
+    tfd.export(target, run_dir, str(tmp_path / "draft"))
+    err = capsys.readouterr().err
+    assert "validation top-1 agreement not measured" in err and "-1.000" not in err, err
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["training"]["validation_top1_agreement"] is None
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--steps", "-1"), ("--steps", "0"), ("--batch", "0"), ("--warmup", "0"), ("--head-vocab", "0"),
+    ("--threads", "0"), ("--max-new-tokens", "0"), ("--n-prompts", "0"), ("--collect-batch", "0"), ("--lr", "0"),
+    ("--train-minutes", "-1"), ("--collect-minutes", "nan"), ("--unroll", "0"), ("--gen", "-1"), ("--dim", "0"),
+])
+def test_counts_that_must_be_positive_are_argparse_errors(capsys, option, value):
+    with pytest.raises(SystemExit) as e:
+        tfd.main(["train", "--target", "absent", option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f": error: argument {option}: " in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_the_default_prompts_are_the_repositorys():
+    from pathlib import Path
+
+    assert Path(tfd.PROMPTS) == ROOT / "data" / "distill" / "prompts.jsonl" and Path(tfd.PROMPTS).is_file()

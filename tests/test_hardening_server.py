@@ -26,7 +26,7 @@ from test_llama_server import BUILT, _gone, make_fake_binary
 
 from minispec import Transformer
 from minispec.equivalence import audit_samples, llama_server, openai, read_samples
-from minispec.equivalence.http import MAX_BYTES, Cancel, ServerError, base_url, get_json
+from minispec.equivalence.http import MAX_BYTES, Cancel, ServerError, base_url, get_json, get_text
 
 import llama_cpp
 from helpers import ROOT, equivalence_cli, kept_int4, peaked_model
@@ -416,7 +416,9 @@ def test_server_settings_are_checked_before_anything_starts(tmp_path, kw, match)
 @pytest.mark.parametrize("url, match", [("http://127.0.0.1:70000", "not a usable address"),
                                         ("http://[::1", "not a usable address"),
                                         ("http://127.0.0.1:0", "has port 0"),
-                                        ("ftp://127.0.0.1:80", "not an http")])
+                                        ("ftp://127.0.0.1:80", "not an http"),
+                                        ("http://127.0.0.1:8080/v1?key=x", "has a query (?...)"),
+                                        ("http://127.0.0.1:8080/v1#top", "has a fragment (#...)")])
 def test_a_bad_url_exits_2_before_the_target_loads(target_dir, capsys, monkeypatch, url, match):
     from minispec import cli
 
@@ -670,3 +672,25 @@ def test_real_server_accepts_a_kept_target_of_its_own_gguf(tmp_path):
                            top_p=None, model_check=False)
     assert info["n_params"] in (kept.weight_count(),) and info["prob_difference"] < llama_server.PROB_TOLERANCE
     assert s.counts == [10] and _gone(pid)
+
+
+def redirect(location):
+    def route(h, body):
+        h.send_response(302)
+        if location is not None:
+            h.send_header("Location", location)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    return route
+
+
+def test_a_redirect_is_named_with_where_it_points(stub):
+    set_routes, url, _ = stub
+    set_routes(moved=redirect("https://elsewhere.example/v1/completions"), gone=redirect(None))
+    with pytest.raises(ServerError, match=r"^srv: POST /moved answered HTTP 302, a redirect to "
+                                          r"'https://elsewhere\.example/v1/completions'; redirects are not followed"):
+        get_json(f"{url}/moved", {"q": 1}, deadline=5, server_name="srv")
+    with pytest.raises(ServerError, match=r"^srv: GET /gone answered HTTP 302, a redirect to nowhere \(no Location"):
+        get_json(f"{url}/gone", deadline=5, server_name="srv")
+    with pytest.raises(ServerError, match="a redirect to 'https://elsewhere"):
+        get_text(f"{url}/moved", deadline=5, server_name="srv")

@@ -365,3 +365,38 @@ def test_a_drawing_builds_nothing_per_sample_up_front():
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def completion(lp: dict, timings: dict | None = None) -> dict:
+    """An OpenAI /completions answer of 3 tokens with these logprobs (and llama.cpp's timings when given)."""
+    out = {"model": "tiny", "choices": [{"index": 0, "logprobs": lp, "finish_reason": "length"}],
+           "usage": {"completion_tokens": 3}}
+    return out if timings is None else {**out, "timings": timings}
+
+
+def test_more_accepted_than_drafted_in_one_answer_is_refused():
+    from minispec.equivalence.openai import parse_completion, parse_sglang
+
+    lp = {"tokens": ["token_id:1", "token_id:2", "token_id:3"]}
+    assert parse_completion(completion(lp, {"draft_n": 4, "draft_n_accepted": 2}), 3, 32, "tiny", "srv") == \
+        ([1, 2, 3], 4, 2)
+    with pytest.raises(ServerError, match=r"^srv reported 4 draft tokens accepted of 2 drafted \(timings\."):
+        parse_completion(completion(lp, {"draft_n": 2, "draft_n_accepted": 4}), 3, 32, "tiny", "srv")
+    meta = {"finish_reason": {"type": "length"}, "completion_tokens": 3, "spec_verify_ct": 1,
+            "spec_draft_token_num": 1, "spec_accept_token_num": 50}
+    with pytest.raises(ServerError, match=r"^srv reported 50 draft tokens accepted of 1 drafted \(spec_accept"):
+        parse_sglang({"output_ids": [1, 2, 3], "meta_info": meta}, 3, 32, "srv")
+    assert parse_sglang({"output_ids": [1, 2, 3], "meta_info": {**meta, "spec_accept_token_num": 1}}, 3, 32,
+                        "srv") == ([1, 2, 3], 1, 1)
+
+
+@pytest.mark.parametrize("token", ["token_id:\u0663", "token_id:\u00b2", "token_id:\uff13", "token_id:3\u0663"])
+def test_token_ids_are_ascii_digits_only(token):
+    # Arabic-Indic three, superscript two, fullwidth three: str.isdigit() and int() take them all
+    from minispec.equivalence.http import ascii_digits
+    from minispec.equivalence.openai import parse_completion
+
+    with pytest.raises(ServerError, match=r"logprobs\.tokens entry .*not \"token_id:ID\"") as e:
+        parse_completion(completion({"tokens": ["token_id:1", token, "token_id:3"]}), 3, 32, "tiny", "srv")
+    assert "\n" not in str(e.value)
+    assert ascii_digits("123") and not ascii_digits(token.partition(":")[2]) and not ascii_digits("")

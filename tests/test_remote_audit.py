@@ -117,3 +117,18 @@ def test_real_llama_server_through_v1_completions(tiny_pair, tmp_path, capsys): 
                      *common]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "next-token probabilities after the first prompt differ" in err[0], err
+
+
+def test_the_request_timeout_is_an_option(stubs, capsys):
+    from minispec.cli import build_parser
+    from minispec.equivalence.http import REQUEST_S
+
+    assert build_parser().parse_args(["equivalence"]).request_timeout == REQUEST_S == 300.0
+    for bad in ("0", "-1", "inf", "nan", "abc"):
+        assert main(["--request-timeout", bad]) == 2
+        assert "argument --request-timeout" in capsys.readouterr().err
+    slow, plain = stubs("vllm", "slow"), stubs("vllm", "plain")  # the slow one answers after 3 s
+    assert main(["--engine", "openai", "--url", slow.url, "--reference-url", plain.url, *COMMON,
+                 "--request-timeout", "0.5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "timed out: no complete answer within 0.5 s" in err[-1], err

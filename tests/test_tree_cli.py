@@ -116,3 +116,23 @@ def test_equivalence_tree_with_a_samples_file_exit_2(ckpt, capsys, tmp_path):
     path.write_text("\n".join([json.dumps(settings)] + [json.dumps({"prompt": [1, 2], "tokens": [3, 4]})] * 10))
     assert run_main(["equivalence", "--target", ckpt["target"], "--samples-file", str(path), "--tree", "2,2"]) == 2
     assert "--tree" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("value, match", [("-1,2", "'-1,2' is not a tree"), ("-1x3", "width >= 1")])
+def test_a_negative_tree_given_apart_reaches_the_trees_check(ckpt, capsys, value, match):
+    # argparse would take "-1,2" for an option and report a missing value instead
+    assert generate(ckpt, "--draft", ckpt["draft"], "--tree", value) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m minispec generate: error: argument --tree: ") and match in err[-1], err
+
+
+def test_negative_prompt_ids_given_apart_reach_their_check(capsys):
+    from minispec.cli import _attach_list_values
+
+    assert run_main(["equivalence", "--engine", "openai", "--url", "http://127.0.0.1:1/v1", "--reference-url",
+                     "http://127.0.0.1:2/v1", "--prompt-ids", "-1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --prompt-ids '-1,2': give one or more token ids >= 0"], err
+    bench = ["bench", "--tree", "-1,2"]  # tools/bench.py's arguments go on as given
+    assert _attach_list_values(bench) == bench
+    assert _attach_list_values(["generate", "--tree", "--k"]) == ["generate", "--tree", "--k"]

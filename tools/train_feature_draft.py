@@ -2,7 +2,7 @@
 
     python tools/train_feature_draft.py collect --target DIR [--run RUN] [--gen 32] [--src 400] [--minutes M]
     python tools/train_feature_draft.py train   --target DIR [--run RUN] [--steps N] [--minutes M] [--seed 0]
-    python tools/train_feature_draft.py export  --target DIR [--run RUN] --out DIR
+    python tools/train_feature_draft.py export  --target DIR [--run RUN] --out DIR [--overwrite]
     python tools/train_feature_draft.py all     --target DIR --out DIR [--collect-minutes M] [--train-minutes M]
     python tools/train_feature_draft.py measure --target KEPT_DIR --draft DIR [--n-prompts 8] [--max-new-tokens 128]
 
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -40,7 +43,8 @@ from distill.cli import exit_status
 from draft_head import head_ids as frequent_head_ids
 
 RUN = "runs/feature-draft"
-PROMPTS = "data/distill/prompts.jsonl"
+# the repository's prompts, whatever the current folder
+PROMPTS = str(Path(__file__).resolve().parent.parent / "data" / "distill" / "prompts.jsonl")
 
 
 @dataclass
@@ -242,12 +246,35 @@ def train(target: Transformer, run_dir: Path, cfg: TrainConfig, steps: int | Non
     return draft
 
 
-def export(target: Transformer, run_dir: Path, out: str) -> None:
+def check_out(out: str, overwrite: bool) -> None:
+    """The export folder: new or empty, or replaced whole with --overwrite (checked before any training)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to replace it whole")
+
+
+def export(target: Transformer, run_dir: Path, out: str, overwrite: bool = False) -> None:
+    """The trained draft into the folder `out`, written beside it and swapped in, so that no half-written draft
+    and no file of the folder it replaces is ever left there."""
+    check_out(out, overwrite)
     state = load_checkpoint(run_dir / "ckpt.pt")
     draft = draft_from_state(state)
-    meta = {"step": state["step"], "validation_top1_agreement": state["best"], **state["train_config"]}
-    draft.save(out, target.tokenizer.fingerprint if target.tokenizer else None, meta=meta)
-    print(f"wrote {out}: step {state['step']}, validation top-1 agreement {state['best']:.3f}", file=sys.stderr)
+    measured = state["best"] >= 0  # train() keeps -1 until a validation pass measures it
+    meta = {"step": state["step"], "validation_top1_agreement": state["best"] if measured else None,
+            **state["train_config"]}
+    path = Path(out).resolve()
+    tmp, old = (path.parent / f".{path.name}.{what}-{os.getpid()}" for what in ("new", "old"))
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    draft.save(tmp, target.tokenizer.fingerprint if target.tokenizer else None, meta=meta)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    agreement = f"{state['best']:.3f}" if measured else "not measured"
+    print(f"wrote {out}: step {state['step']}, validation top-1 agreement {agreement}", file=sys.stderr)
 
 
 def draft_step_time(drafter, prompt: list[int], repeats: int = 30) -> float:
@@ -313,6 +340,38 @@ def measure(target_dir: str, draft_dir: str, n_prompts: int, new_tokens: int, te
     return out
 
 
+def at_least(lo: int):
+    """An integer >= lo, else argparse's one-line error (exit 2): --steps -1 would otherwise train nothing."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is less than {lo}")
+        return v
+    return parse
+
+
+def number(positive: bool):
+    """A finite number, > 0 where `positive`, else >= 0; argparse's one-line error otherwise."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number {'> 0' if positive else '>= 0'}")
+        return v
+    return parse
+
+
+# TrainConfig's fields as options: what each must be
+FIELD_TYPES = {"head_vocab": at_least(1), "lr": number(True), "warmup": at_least(1), "weight_decay": number(False),
+               "feature_weight": number(False), "batch": at_least(1), "seed": at_least(0), "unroll": at_least(1),
+               "decay_steps": at_least(0), "final_lr": number(False)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stage", choices=("collect", "train", "export", "all", "measure"))
@@ -320,22 +379,23 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=RUN)
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompts", default=PROMPTS)
-    ap.add_argument("--gen", type=int, default=32, help="code prompts the target answers")
-    ap.add_argument("--src", type=int, default=400, help="pieces of site-packages source, teacher-forced")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--collect-minutes", type=float, default=None)
-    ap.add_argument("--collect-batch", type=int, default=8, help="sequences a pass while collecting (16 generates "
-                    "half again as many positions a second as 8 on 2 cores)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--train-minutes", type=float, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--overwrite", action="store_true", help="export: replace a non-empty --out folder whole")
+    ap.add_argument("--gen", type=at_least(0), default=32, help="code prompts the target answers")
+    ap.add_argument("--src", type=at_least(0), default=400, help="pieces of site-packages source, teacher-forced")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    ap.add_argument("--collect-minutes", type=number(True), default=None)
+    ap.add_argument("--collect-batch", type=at_least(1), default=8, help="sequences a pass while collecting (16 "
+                    "generates half again as many positions a second as 8 on 2 cores)")
+    ap.add_argument("--steps", type=at_least(1), default=None)
+    ap.add_argument("--train-minutes", type=number(True), default=None)
+    ap.add_argument("--threads", type=at_least(1), default=2)
     ap.add_argument("--draft", default=None, help="measure: the draft directory (default --out)")
-    ap.add_argument("--n-prompts", type=int, default=8, help="measure: coder bench prompts")
+    ap.add_argument("--n-prompts", type=at_least(1), default=8, help="measure: coder bench prompts")
     for name, f in TrainConfig.__dataclass_fields__.items():
         if name not in ("dim", "ffn_dim"):
-            ap.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
-    ap.add_argument("--dim", type=int, default=None)
-    ap.add_argument("--ffn-dim", type=int, default=None)
+            ap.add_argument(f"--{name.replace('_', '-')}", type=FIELD_TYPES[name], default=f.default)
+    ap.add_argument("--dim", type=at_least(1), default=None)
+    ap.add_argument("--ffn-dim", type=at_least(1), default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     return exit_status(lambda: run_stages(args))
@@ -344,6 +404,10 @@ def main(argv=None) -> int:
 def run_stages(args) -> None:
     """The stages the command line asked for, in order (collect, train, export; or measure)."""
     run_dir = Path(args.run)
+    if args.stage in ("export", "all"):  # before any collecting or training, not after it
+        if args.out is None:
+            raise ValueError("export needs --out DIR")
+        check_out(args.out, args.overwrite)
     if args.stage in ("collect", "all"):
         collect(args.target, run_dir / "data", args.prompts, args.gen, args.src, args.max_new_tokens,
                 batch=args.collect_batch, minutes=args.collect_minutes)
@@ -358,9 +422,7 @@ def run_stages(args) -> None:
         cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
         train(target, run_dir, cfg, args.steps, args.train_minutes)
     if args.stage in ("export", "all"):
-        if args.out is None:
-            raise ValueError("export needs --out DIR")
-        export(target, run_dir, args.out)
+        export(target, run_dir, args.out, args.overwrite)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from .. import __version__
 from ..adaptive import AdaptiveK
 from ..controls import Control
-from ..drafters import make_drafter
+from ..drafters import check_tree_drafter, make_drafter
 from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
@@ -405,7 +405,7 @@ def _check_test_settings(seed, alpha, bins, orders, batch_size, power_runs) -> t
     return orders
 
 
-def _check_draft(target, draft, engine: str, hf_dirs: dict | None) -> None:
+def _check_draft(target, draft, engine: str, hf_dirs: dict | None, tree=None) -> None:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     if engine != "minispec":
@@ -415,7 +415,8 @@ def _check_draft(target, draft, engine: str, hf_dirs: dict | None) -> None:
                              f"{' and '.join(repr(n) for n in need)} (Hugging Face directories; engines.exported "
                              "makes them from minispec checkpoints)")
         return
-    make_drafter(target, draft)  # speculate's check of the draft: its kind, its vocabulary and tokenizer
+    # speculate's checks of the draft: its kind, its vocabulary and tokenizer, and that it drafts the tree if given
+    check_tree_drafter(make_drafter(target, draft), tree)
 
 
 def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k, top_p, sampler, engine, hf_dirs,
@@ -432,7 +433,7 @@ def _check_inputs(target, draft, prompts, samples, tokens, k, temperature, top_k
         elif k != "auto" and not isinstance(k, AdaptiveK):
             check_int("k", k, 1)
         params = SamplingParams(temperature, top_k, top_p)
-        _check_draft(target, draft, engine, hf_dirs)
+        _check_draft(target, draft, engine, hf_dirs, tree)
         batch, _ = normalize_prompts(target, prompts)
     except ValueError as e:  # the checks above already say what to do
         raise EquivalenceInputError(str(e)) from None

@@ -32,6 +32,7 @@ import urllib.parse
 from ..errors import InputError, one_line, show
 
 MAX_BYTES = 16 << 20  # an answer's size cap: far above any answer the harness asks for, far below memory
+REQUEST_S = 300.0  # the default deadline of a whole answer (--request-timeout): a sampled answer on a slow server
 CHUNK = 1 << 16
 
 
@@ -60,8 +61,17 @@ def base_url(url: str, what: str = "--url") -> str:
         raise ServerError(f"{what} {show(url)} is not an http(s) address such as http://127.0.0.1:8080")
     if port == 0:
         raise ServerError(f"{what} {show(url)} has port 0; a server listens on a port in 1..65535")
+    if parts.query or parts.fragment:  # the paths of the requests are appended to the address, so no ?... or #...
+        raise ServerError(f"{what} {show(url)} has a {'query (?...)' if parts.query else 'fragment (#...)'}; give "
+                          "the server's address alone, e.g. http://127.0.0.1:8080/v1")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}" + ("" if port is None else f":{port}")
+
+
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is a non-negative integer in ASCII digits: str.isdigit() and int() also take other scripts'
+    digits ("٣", "²"), which no server writes for a number."""
+    return text.isascii() and text.isdigit()
 
 
 def check_seconds(seconds, what: str) -> float:
@@ -163,7 +173,7 @@ def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, 
         conn.request(method, path, body=data, headers={"Content-Type": "application/json", "Accept": accept})
         resp = conn.getresponse()
         declared = resp.getheader("Content-Length", "")
-        if declared.strip().isdigit() and int(declared) > max_bytes:
+        if ascii_digits(declared.strip()) and int(declared) > max_bytes:
             raise ServerError(f"{where} answered {int(declared)} bytes, over the {max_bytes}-byte limit on an "
                               "answer's size")
         raw, n = [], 0
@@ -177,7 +187,7 @@ def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, 
             raise ServerError(f"{where} answered more than {max_bytes} bytes, the limit on an answer's size")
         if expired.is_set() or (cancel is not None and cancel.cancelled):  # a shut connection reads as an early end
             raise ConnectionAbortedError("the connection was shut")
-        if declared.strip().isdigit() and n < int(declared):
+        if ascii_digits(declared.strip()) and n < int(declared):
             raise http.client.IncompleteRead(b"", int(declared) - n)
         raw = b"".join(raw)
     except (OSError, http.client.HTTPException, ValueError) as e:
@@ -194,6 +204,11 @@ def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, 
         conn.close()
         if sock is not None:
             sock.close()
+    if 300 <= resp.status < 400:  # not followed: the audit asks the server it was given, so it names the new address
+        location = resp.getheader("Location")
+        raise ServerError(f"{where} answered HTTP {resp.status}, a redirect to "
+                          f"{'nowhere (no Location header)' if location is None else show(location, 200)}; "
+                          "redirects are not followed: give that address instead")
     return resp.status, raw, where
 
 

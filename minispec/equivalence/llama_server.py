@@ -56,7 +56,7 @@ import torch
 
 from ..errors import check_int, is_int, is_number, show
 from ..sampling import SamplingParams
-from .http import MAX_BYTES, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
+from .http import MAX_BYTES, REQUEST_S, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
 
 ENGINE = "llama.cpp"
 BINARY = "llama-server"
@@ -123,7 +123,7 @@ class ServerClient:
     `alive` (optional) says whether the server process still runs, so that a crash reads as a crash rather than
     as a refused connection."""
 
-    def __init__(self, url: str, timeout: float = 300.0, alive=None, max_bytes: int = MAX_BYTES):
+    def __init__(self, url: str, timeout: float = REQUEST_S, alive=None, max_bytes: int = MAX_BYTES):
         self.url = base_url(url)
         self.timeout = check_seconds(timeout, "the server's request timeout")
         self.max_bytes = check_int("max_bytes", max_bytes, 1, error=ServerError)
@@ -222,7 +222,7 @@ class LlamaServer:
 
     def __init__(self, model, draft=None, k: int = 4, parallel: int = 4, ctx_size: int = 512,
                  threads: int | None = None, port: int | None = None, binary=None, host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0, timeout: float = 300.0, extra_args=()):
+                 startup_timeout: float = 300.0, timeout: float = REQUEST_S, extra_args=()):
         check_int("k", k, 1, MAX_K, error=ServerError)
         check_int("parallel", parallel, 1, error=ServerError)
         check_int("ctx_size", ctx_size, 1, error=ServerError)

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import check_int, is_int, show
 from ..sampling import SamplingParams
-from .http import Cancel, ServerError, base_url, check_seconds, get_json, get_text
+from .http import REQUEST_S, Cancel, ServerError, ascii_digits, base_url, check_seconds, get_json, get_text
 from .llama_server import ENGINE as LLAMA_CPP
 from .llama_server import OFF, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
 from .llama_server import check_same_model as llama_check_same_model
@@ -78,7 +78,7 @@ class Endpoint:
     give the one of a started LlamaServer, so that a crash reads as one). deadline: seconds per request, the whole
     answer."""
 
-    def __init__(self, url: str, kind: str = "openai", model: str | None = None, deadline: float = 300.0,
+    def __init__(self, url: str, kind: str = "openai", model: str | None = None, deadline: float = REQUEST_S,
                  cancel: Cancel | None = None, client: ServerClient | None = None):
         if kind not in (*KINDS, LLAMA_CPP):
             raise ServerError(f"kind must be one of {', '.join((*KINDS, LLAMA_CPP))}; got {show(kind)}")
@@ -189,7 +189,7 @@ def top_probs(endpoint: Endpoint, prompt: list[int], vocab_size: int) -> dict[in
                 first, list) else []
     out = {}
     for tok, logprob in pairs:
-        tok = int(tok) if isinstance(tok, str) and tok.isdigit() else tok
+        tok = int(tok) if isinstance(tok, str) and ascii_digits(tok) else tok
         if not is_int(tok) or not 0 <= tok < vocab_size or isinstance(logprob, bool) or \
                 not isinstance(logprob, (int, float)) or not logprob <= 0:
             raise ServerError(f"{where} sent a next-token probability entry ({show(tok)}, {show(logprob)}) that is "
@@ -231,6 +231,14 @@ def _count(v, what: str, where: str) -> int | None:
     return int(v)
 
 
+def _drafts(drafted: int | None, accepted: int | None, names: str, where: str) -> tuple[int | None, int | None]:
+    """One answer's draft counts, checked as /metrics' are: no more accepted than drafted."""
+    if drafted is not None and accepted is not None and accepted > drafted:
+        raise ServerError(f"{where} reported {accepted} draft tokens accepted of {drafted} drafted ({names}): not "
+                          "counts of one answer")
+    return drafted, accepted
+
+
 def _check_ids(ids, tokens: int, vocab_size: int, where: str) -> list[int]:
     if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise ServerError(f"{where} sent no list of token ids")
@@ -250,7 +258,7 @@ def _token_ids_from_logprobs(lp, where: str):
         out = []
         for t in lp["tokens"]:
             head, _, tail = t.partition(":") if isinstance(t, str) else ("", "", "")
-            if head != "token_id" or not tail.isdigit():
+            if head != "token_id" or not ascii_digits(tail):
                 raise ServerError(f"{where} sent logprobs.tokens entry {show(t)}, not \"token_id:ID\" (ask vLLM "
                                   "with return_tokens_as_token_ids)")
             out.append(int(tail))
@@ -285,7 +293,7 @@ def parse_completion(resp, tokens: int, vocab_size: int, model: str | None, wher
     if isinstance(timings, dict):  # llama.cpp's per-request timings
         drafted = _count(timings.get("draft_n"), "timings.draft_n", where)
         accepted = _count(timings.get("draft_n_accepted"), "timings.draft_n_accepted", where)
-    return ids, drafted, accepted
+    return ids, *_drafts(drafted, accepted, "timings.draft_n_accepted of timings.draft_n", where)
 
 
 def parse_sglang(resp, tokens: int, vocab_size: int, where: str):
@@ -308,7 +316,7 @@ def parse_sglang(resp, tokens: int, vocab_size: int, where: str):
     accepted = _count(meta.get("spec_accept_token_num"), "spec_accept_token_num", where)
     if verify == 0:
         return ids, 0, 0
-    return ids, drafted, accepted
+    return ids, *_drafts(drafted, accepted, "spec_accept_token_num of spec_draft_token_num", where)
 
 
 def check_seed_range(seed: int, n: int) -> None:
