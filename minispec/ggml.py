@@ -1,15 +1,22 @@
-"""A GGUF's quantized matrices multiplied as stored, by llama.cpp's own ggml CPU kernels.
+"""A GGUF's quantized matrices multiplied as stored, by llama.cpp's or ik_llama.cpp's CPU kernels.
 
 `GgmlWeight` holds an (N, K) matrix as the file's blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...: one uint8 row of
-blocks per output) and computes x @ w.T through a small compiled library (native/ggml_shim.c, built by
-tools/build_ggml.py into this package as `libminispec_ggml.so`): each activation row is quantized to the
-kernel's activation type (Q8_K for the K-quants, Q8_0 for Q5_0 and Q8_0, as llama.cpp does) and every output
-is one ggml `vec_dot` of one weight row with one activation row. So a row's bits never depend on how many rows
-share the pass or on the thread count, and a pass of 1 to 16 rows reads each weight row from memory once.
+blocks per output) and computes x @ w.T through one of two small compiled libraries (tools/build_ggml.py builds
+them into this package), the product chosen once, when the matrix is loaded:
 
-`available()` says whether the library is built and loads; when it is not (no compiler or source at install
-time, another CPU architecture), `available()` is False, a one-line notice says so at first use, and the kept
-matrices compute in PyTorch instead (minispec.quantized).
+- `libminispec_iqk.so` (native/iqk_shim.c): ik_llama.cpp's row-tiled product, iqk_mul_mat, which unpacks each
+  weight block once for a tile of up to 8 activation rows (a verify pass's rows nearly share one decode step's
+  cost); each activation row quantized alone to the type its kernel takes (Q8_2_X4 for the K-quants on x86).
+  The default wherever it is built and takes the matrix's type.
+- `libminispec_ggml.so` (native/ggml_shim.c): llama.cpp's ggml, every output one `vec_dot` of one weight row
+  with one activation row (Q8_K for the K-quants), Q4_K repacked as llama.cpp does on AVX2.
+
+Either way a row's bits never depend on how many rows share the pass or on the thread count
+(tests/test_iqk.py, tests/test_ggml.py), so a verify pass gives every position the bits a decode step gives it.
+`MINISPEC_PRODUCT=ggml` (or `iqk`) picks a library for the matrices loaded after it is set; unset, iqk where it
+can. `available()` says whether either library loads; when neither does (no compiler or source at install time,
+another CPU architecture), a one-line notice says so at first use, and the kept matrices compute in PyTorch
+instead (minispec.quantized).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import sys
 import threading
 from pathlib import Path
@@ -28,6 +36,8 @@ from . import kernels
 from .forms import PackedWeight
 
 LIBRARY = Path(__file__).resolve().parent / "libminispec_ggml.so"
+IQK_LIBRARY = LIBRARY.with_name("libminispec_iqk.so")
+PRODUCTS = ("iqk", "ggml")  # MINISPEC_PRODUCT's values, in the order an unset one tries them
 
 # ggml's type ids (ggml.h's enum ggml_type, the ids a GGUF stores) for the types a kept matrix may have:
 # name -> (id, values a block, bytes a block)
@@ -38,23 +48,78 @@ MAX_ROWS = 64  # rows a pass multiplies against the weight at once; more go in f
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if sys.platform != "linux" or not LIBRARY.is_file():
+def _load(path: Path) -> ctypes.CDLL | None:
+    if sys.platform != "linux" or not path.is_file():
         return None
     try:
-        lib = ctypes.CDLL(str(LIBRARY))
+        lib = ctypes.CDLL(str(path))
     except OSError:
         return None
-    lib.ms_vec_dot_type.argtypes = [ctypes.c_int]
-    lib.ms_row_size.argtypes, lib.ms_row_size.restype = [ctypes.c_int, ctypes.c_int64], ctypes.c_size_t
     p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ms_vec_dot_type.argtypes = [ctypes.c_int]
+    lib.ms_row_size.argtypes, lib.ms_row_size.restype = [ctypes.c_int, i64], ctypes.c_size_t
     lib.ms_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p, ctypes.c_int]
-    lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
-    lib.ms_repackable.argtypes = [ctypes.c_int, i64, i64]
     lib.ms_repack.argtypes = [ctypes.c_int, p, i64, i64, p]
-    lib.ms_matmul_repacked.argtypes = lib.ms_matmul.argtypes
+    if hasattr(lib, "ms_dequantize"):  # llama.cpp's: its repacked Q4_K product and ggml's own dequantization
+        lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
+        lib.ms_repackable.argtypes = [ctypes.c_int, i64, i64]
+        lib.ms_matmul_repacked.argtypes = lib.ms_matmul.argtypes
     lib.ms_init()
     return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    """llama.cpp's product (libminispec_ggml.so), or None where it is not built or does not load."""
+    return _load(LIBRARY)
+
+
+def _iqk_library() -> ctypes.CDLL | None:
+    """ik_llama.cpp's row-tiled product (libminispec_iqk.so), or None where it is not built or does not load."""
+    return _load(IQK_LIBRARY)
+
+
+def product_library(type_id: int, k: int, sample: torch.Tensor | None = None) -> tuple[str, ctypes.CDLL] | None:
+    """The library that multiplies a matrix of ggml type `type_id` and k inputs here, with its name: the one
+    MINISPEC_PRODUCT names, else the first of PRODUCTS that is built and has a product for it; None if none.
+    ik's product is taken only where its rows are seen to be independent on this CPU (`rows_alike`, on `sample`,
+    some of the matrix's own rows, when given)."""
+    want = os.environ.get("MINISPEC_PRODUCT", "").strip()
+    if want and want not in PRODUCTS:
+        raise ValueError(f"MINISPEC_PRODUCT must be one of {', '.join(PRODUCTS)} (or unset), got {want!r}")
+    for name in (want,) if want else PRODUCTS:
+        lib = _iqk_library() if name == "iqk" else _library()
+        if lib is None or lib.ms_vec_dot_type(type_id) < 0:
+            continue
+        # ik's x86 activation types group four blocks of 32: rows of whole groups only
+        if name == "iqk" and (k % 128 or sample is not None and not rows_alike(lib, type_id, sample, k)):
+            continue
+        return name, lib
+    return None
+
+
+CHECK_ROWS = 32  # weight rows the load-time check multiplies (a whole number of every interleaved form's rows)
+_alike: dict[tuple[int, int], bool] = {}  # (library handle, ggml type) -> rows_alike's finding, once a process
+
+
+def rows_alike(lib: ctypes.CDLL, type_id: int, blocks: torch.Tensor, k: int) -> bool:
+    """Whether `lib`'s product of type `type_id` gives each row of a pass of 2 to 16 rows the bits that row gets
+    alone, found once a process on `blocks` (some rows of a real matrix of that type, in the form the product
+    takes). ik's kernels take other code for some row counts on some CPUs (its one-row shortcuts, its wider kernels
+    on AVX-512): a form that fails here is not used, so a verify pass always computes what decode steps compute."""
+    key = (lib._handle, type_id)
+    if key not in _alike:
+        n, blocks = blocks.shape[0], blocks.contiguous()
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(0))
+        scratch = torch.empty(16 * lib.ms_row_size(lib.ms_vec_dot_type(type_id), k), dtype=torch.uint8)
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            y = torch.empty(rows.shape[0], n)
+            lib.ms_matmul(type_id, blocks.data_ptr(), n, k, rows.data_ptr(), rows.shape[0], y.data_ptr(),
+                          scratch.data_ptr(), 1)
+            return y
+        alone = torch.cat([product(x[r:r + 1]) for r in range(16)])
+        _alike[key] = all(torch.equal(product(x[:rows]), alone[:rows]) for rows in range(2, 17))
+    return _alike[key]
 
 
 _told = False
@@ -81,9 +146,9 @@ def threads_for(n: int | None):
 
 
 def available() -> bool:
-    """Whether the compiled product loads here; the first time it does not, one line on stderr says so."""
+    """Whether a compiled product loads here; the first time none does, one line on stderr says so."""
     global _told
-    lib = _library()
+    lib = _iqk_library() or _library()
     if lib is None and not _told:
         _told = True
         print(f"minispec: the quantized product ({LIBRARY.name}) is not built or does not load here; kept "
@@ -98,48 +163,64 @@ def row_bytes(kind: str, k: int) -> int:
 
 
 class GgmlWeight(PackedWeight):
-    """An (N, K) matrix as a GGUF stores it, `blocks` uint8 (N, row bytes), multiplied by ggml's kernels."""
+    """An (N, K) matrix as a GGUF stores it, `blocks` uint8 (N, row bytes), multiplied by ik_llama.cpp's or
+    llama.cpp's kernels (`product_name`: "iqk" or "ggml", chosen at construction)."""
 
-    __slots__ = ("blocks", "kind", "type_id", "repacked")
+    __slots__ = ("blocks", "kind", "type_id", "repacked", "product_name", "lib", "_run")
 
     def __init__(self, kind: str, blocks: torch.Tensor, k: int, repack: bool = True):
-        lib = _library()
-        if lib is None:
-            raise RuntimeError(f"{LIBRARY.name} is not built")
         self.kind, self.type_id = kind, TYPES[kind][0]
-        if lib.ms_vec_dot_type(self.type_id) < 0:
-            raise ValueError(f"ggml has no CPU product for {kind}")
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(kind, k):
             raise ValueError(f"a {kind} matrix of {k} inputs has rows of {row_bytes(kind, k)} bytes, got "
                              f"{tuple(blocks.shape)} {blocks.dtype}")
-        self.blocks, self.shape = blocks.contiguous(), (blocks.shape[0], k)
-        # a Q4_K matrix on AVX2: also in the form llama.cpp repacks it to there (eight rows interleaved), whose
-        # one-row product is faster; `blocks` stays the file's form (the switch-off path reads it)
-        self.repacked = None
-        if repack and lib.ms_repackable(self.type_id, *self.shape):
-            packed = torch.empty_like(self.blocks)
-            if lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr()) == 0:
-                self.repacked = packed
+        chosen = product_library(self.type_id, k, blocks[:CHECK_ROWS])
+        if chosen is None:
+            raise ValueError(f"no built product multiplies {kind} here")
+        self.product_name, lib = chosen
+        self.lib, self.blocks, self.shape = lib, blocks.contiguous(), (blocks.shape[0], k)
+        # the matrix also in the form its product runs fastest, where it has one: ik's row-interleaved form (Q4_K as
+        # Q4_K_R4, four rows to a block), or llama.cpp's eight-row Q4_K on AVX2; `blocks` stays the file's form
+        # (the switch-off path reads it)
+        self.repacked, self._run = None, (lib.ms_matmul, self.type_id)
+        if not repack:
+            return
+        packed = torch.empty_like(self.blocks)
+        if self.product_name == "iqk":
+            run_type = lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr())
+            if run_type >= 0 and rows_alike(lib, run_type, packed[:CHECK_ROWS], k):
+                self.repacked, self._run = packed, (lib.ms_matmul, run_type)
+        elif lib.ms_repackable(self.type_id, *self.shape) and \
+                lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr()) == 0:
+            self.repacked, self._run = packed, (lib.ms_matmul_repacked, self.type_id)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        lib, (n, k) = _library(), self.shape
+        lib, (n, k) = self.lib, self.shape
         x = rows.reshape(-1, k).to(torch.float32).contiguous()
         if not kernels.enabled():  # the switch off: the file's values in float, the plain product
             return F.linear(x, dequantize(self.kind, self.blocks, k))
         y = torch.empty(x.shape[0], n)
-        scratch = torch.empty(min(x.shape[0], MAX_ROWS) * lib.ms_row_size(lib.ms_vec_dot_type(self.type_id), k),
+        (matmul, type_id), w = self._run, (self.blocks if self.repacked is None else self.repacked)
+        scratch = torch.empty(min(x.shape[0], MAX_ROWS) * lib.ms_row_size(lib.ms_vec_dot_type(type_id), k),
                               dtype=torch.uint8)
         threads = getattr(_local, "threads", None) or torch.get_num_threads()
-        matmul, w = (lib.ms_matmul, self.blocks) if self.repacked is None else (lib.ms_matmul_repacked, self.repacked)
         for i in range(0, x.shape[0], MAX_ROWS):
             part = x[i:i + MAX_ROWS]
-            matmul(self.type_id, w.data_ptr(), n, k, part.data_ptr(), part.shape[0], y[i:i + MAX_ROWS].data_ptr(),
+            matmul(type_id, w.data_ptr(), n, k, part.data_ptr(), part.shape[0], y[i:i + MAX_ROWS].data_ptr(),
                    scratch.data_ptr(), threads)
         return y
 
 
+def takes(kind: str, k: int) -> bool:
+    """Whether a built product multiplies a `kind` matrix of k inputs here."""
+    return product_library(TYPES[kind][0], k) is not None
+
+
 def dequantize(kind: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """ggml's own dequantization of an (N, row bytes) block matrix (for tests; the library must be built)."""
+    """ggml's own dequantization of an (N, row bytes) block matrix (minispec.quantized's, the same values, where
+    llama.cpp's library is not built)."""
+    if _library() is None:
+        from .quantized import decode_blocks  # imports this module: imported when first needed
+        return decode_blocks(kind, blocks)
     out = torch.empty(blocks.shape[0], k)
     if _library().ms_dequantize(TYPES[kind][0], blocks.contiguous().data_ptr(), blocks.shape[0], k,
                                 out.data_ptr()) != 0:

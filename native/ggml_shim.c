@@ -6,22 +6,13 @@
 // does on AVX2, one one-row gemv over eight weight rows), so a row's bits never depend on how many rows share the
 // pass or on the thread count. Output columns (weight rows) are the outer loop and the activation rows the inner
 // one: a weight row is read from memory once per pass and reused from cache for every activation row.
-// Threads split the output columns in fixed ranges; a worker waits for work by spinning (long enough to span the
-// gaps between the products of one model pass) and then sleeping on a condition variable, so a busy neighbour on
-// the same core costs its share of time, never a collapse (and minispec.threads then picks one thread).
-#include <pthread.h>
-#include <stdatomic.h>
+// Threads (ms_pool.h) split the output columns in fixed ranges.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
+#include "ms_pool.h"
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -33,9 +24,6 @@
 // bits, so every row goes through the one-row product, alone.
 void ggml_gemv_q4_K_8x8_q8_K(int n, float *s, size_t bs, const void *vx, const void *vy, int nr, int nc);
 
-#define MAX_THREADS 64
-#define SPIN_ROUNDS 200000L  // about 5-20 ms of pause: spans the gaps between the products of one model pass
-
 struct job {
     int repacked;  // w is Q4_K repacked eight rows to a block (ms_repack)
     ggml_vec_dot_t vec_dot;
@@ -46,16 +34,6 @@ struct job {
     int64_t n, k, rows, parts;
     float *y;
 };
-
-static struct job g_job;
-static atomic_long g_generation;
-static atomic_int g_pending;
-static int g_workers;  // started so far
-static long g_start[MAX_THREADS];
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
-static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER;  // one product at a time (callers may be threads)
 
 #define TILE_COLS 16  // parts and chunks start on multiples of 16 weight rows (the repacked tiles are 8)
 #define CHUNK_COLS 64  // weight rows multiplied by every activation row while they sit in L2
@@ -86,43 +64,6 @@ static void run_part(const struct job *j, int64_t part) {
     }
 }
 
-static void *worker(void *arg) {
-    const int64_t part = (int64_t)(intptr_t)arg;
-    long seen = g_start[part];  // the generation before the first job it is to take part in
-    for (;;) {
-        long now;
-        long spins = 0;
-        while ((now = atomic_load_explicit(&g_generation, memory_order_acquire)) == seen && spins < SPIN_ROUNDS) {
-            CPU_RELAX();
-            spins++;
-        }
-        if (now == seen) {
-            pthread_mutex_lock(&g_lock);
-            while ((now = atomic_load(&g_generation)) == seen) pthread_cond_wait(&g_wake, &g_lock);
-            pthread_mutex_unlock(&g_lock);
-        }
-        seen = now;
-        if (part < g_job.parts) run_part(&g_job, part);
-        if (atomic_fetch_sub_explicit(&g_pending, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&g_lock);  // the caller may be asleep waiting for the last part
-            pthread_cond_signal(&g_done);
-            pthread_mutex_unlock(&g_lock);
-        }
-    }
-    return NULL;
-}
-
-static int ensure_workers(int want) {
-    while (g_workers < want) {
-        pthread_t t;
-        g_start[g_workers + 1] = atomic_load(&g_generation);
-        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)(g_workers + 1)) != 0) return g_workers;
-        pthread_detach(t);
-        g_workers++;
-    }
-    return g_workers;
-}
-
 // ggml's warnings and errors reach stderr; its information lines (one per repacked matrix) do not
 static void log_warnings(enum ggml_log_level level, const char *text, void *user) {
     (void)user;
@@ -145,34 +86,15 @@ int ms_vec_dot_type(int type) {
 
 size_t ms_row_size(int type, int64_t k) { return ggml_row_size((enum ggml_type)type, k); }
 
-// Runs a product in `threads` parts over the output columns: the caller takes part 0, workers the rest.
-static void run_job(const struct job *jp, int threads) {
-    struct job j = *jp;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads <= 1 || j.n < 2 * TILE_COLS * threads) {
-        run_part(&j, 0);
-        return;
-    }
-    pthread_mutex_lock(&g_call);
-    const int helpers = ensure_workers(threads - 1);
-    j.parts = helpers < threads - 1 ? helpers + 1 : threads;
-    g_job = j;
-    atomic_store(&g_pending, g_workers);
-    pthread_mutex_lock(&g_lock);
-    atomic_fetch_add_explicit(&g_generation, 1, memory_order_release);
-    pthread_cond_broadcast(&g_wake);
-    pthread_mutex_unlock(&g_lock);
-    run_part(&g_job, 0);
-    // a bounded spin, then sleep: a caller spinning on while a worker waits for a core shared with another process
-    // would hold the very core the worker needs
-    for (long spins = 0; atomic_load_explicit(&g_pending, memory_order_acquire) > 0 && spins < SPIN_ROUNDS; spins++)
-        CPU_RELAX();
-    if (atomic_load(&g_pending) > 0) {
-        pthread_mutex_lock(&g_lock);
-        while (atomic_load(&g_pending) > 0) pthread_cond_wait(&g_done, &g_lock);
-        pthread_mutex_unlock(&g_lock);
-    }
-    pthread_mutex_unlock(&g_call);
+static void run_job_part(const void *job, int64_t part, int64_t parts) {
+    struct job j = *(const struct job *)job;
+    j.parts = parts;
+    run_part(&j, part);
+}
+
+// Runs a product in `threads` parts over the output columns (one part for a matrix too small to split).
+static void run_job(const struct job *j, int threads) {
+    ms_run(run_job_part, j, j->n < 2 * TILE_COLS * threads ? 1 : threads);
 }
 
 // Quantizes each row of x to the kernel's activation type in scratch and runs the product (vec_dot, or the

@@ -1,12 +1,15 @@
-"""The quantized product through llama.cpp's kernels (minispec.ggml, native/ggml_shim.c).
+"""The quantized products through llama.cpp's kernels (native/ggml_shim.c) and ik_llama.cpp's row-tiled ones
+(native/iqk_shim.c), minispec.ggml; each test runs for every product built here (`product`).
 
 - ggml's own dequantization equals gguf-py's on random valid Q4_K and Q6_K blocks (and on Q5_0 / Q8_0
-  blocks gguf-py quantizes), so the product multiplies the file's values.
-- The product against the float product of those values: activations are quantized to Q8_K (Q8_0 for
-  Q5_0 / Q8_0) first, so it is not the float product; the bound per type, stated below, is measured.
-- Every row count from 1 to 16: each row's output identical to that row computed alone, and at 1 and
-  2 threads identical.
-- Without the library: one line says so, once.
+  blocks gguf-py quantizes), so the products multiply the file's values.
+- Each product against the float product of those values: activations are quantized first (Q8_K or Q8_0 for
+  llama.cpp's, Q8_2_X4 or Q8_0_X4 for ik's), so it is not the float product; the bound per type, stated below,
+  is measured.
+- Every type, every row count from 1 to 16: each row's output identical to that row computed alone, and at 1
+  and 2 threads identical; more rows than one pass takes likewise.
+- The product is chosen at load (MINISPEC_PRODUCT, else ik's where it is built); without either library one
+  line says so, once, and the model computes in PyTorch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ from test_quantized import random_blocks  # noqa: E402
 
 needs_library = pytest.mark.skipif(not ggml.available(), reason="the quantized product is not built "
                                    "(python tools/build_ggml.py)")
+BUILT = {"ggml": ggml._library() is not None, "iqk": ggml._iqk_library() is not None}
+
+
+@pytest.fixture(params=list(BUILT))
+def product(request, monkeypatch):
+    """Each built product in turn, chosen as a user does (MINISPEC_PRODUCT, read when a matrix is loaded)."""
+    if not BUILT[request.param]:
+        pytest.skip(f"the {request.param} product is not built (python tools/build_ggml.py)")
+    monkeypatch.setenv("MINISPEC_PRODUCT", request.param)
+    return request.param
 KINDS = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q5_0": Q.Q5_0, "q8_0": Q.Q8_0}
 # |product - float product| <= BOUND * sum_i |w_i x_i| over a row: Q8_K rounds each activation to within half
 # a step of 127 steps of its 256-value block's max (1/254 of it), Q8_0 likewise over 32 values with an fp16
@@ -52,10 +65,11 @@ def test_ggml_reads_the_file_values_gguf_reads(kind):
 @needs_library
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("repack", [True, False])
-def test_product_within_the_activation_rounding_of_the_float_product(kind, repack):
+def test_product_within_the_activation_rounding_of_the_float_product(kind, repack, product):
     n, k = 40, 1024
     raw = blocks(kind, n, k, 2)
     w = ggml.GgmlWeight(kind, torch.from_numpy(raw), k, repack=repack)
+    assert w.product_name == product
     exact = values(raw, kind, n, k).double()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     got, want = w(x).double(), x.double() @ exact.T
@@ -66,11 +80,16 @@ def test_product_within_the_activation_rounding_of_the_float_product(kind, repac
 
 
 @needs_library
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("repack", [True, False])
-def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack):
-    n, k = 136, 768  # an output count no thread split divides evenly (17 tiles of 8 rows)
+def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack, product):
+    # an output count no thread split divides evenly: 17 tiles of llama.cpp's 8 rows, 9 of ik's 16-row interleaved
+    # forms (which take whole multiples of 16)
+    n, k = (136 if product == "ggml" else 144), 768
     w = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k, repack=repack)
+    assert w.product_name == product
+    if product == "iqk" and kind in ("q4_k", "q6_k"):  # interleaved (Q4_K_R4, Q6_K_R4), rows alike as built
+        assert (w.repacked is not None) == repack
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     before = torch.get_num_threads()
     try:
@@ -91,8 +110,9 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack):
     assert not torch.equal(other(x[:1]), alone[:1])
 
 
-@needs_library
-def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form():
+@pytest.mark.skipif(not BUILT["ggml"], reason="llama.cpp's product is not built (python tools/build_ggml.py)")
+def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form(monkeypatch):
+    monkeypatch.setenv("MINISPEC_PRODUCT", "ggml")
     n, k = 64, 512
     raw = torch.from_numpy(blocks("q4_k", n, k, 10))
     packed, plain = ggml.GgmlWeight("q4_k", raw, k), ggml.GgmlWeight("q4_k", raw, k, repack=False)
@@ -120,14 +140,61 @@ def test_wrong_block_bytes_are_one_line_errors():
 
 def test_without_the_library_one_line_says_so_once(monkeypatch, capsys):
     monkeypatch.setattr(ggml, "_library", lambda: None)
+    monkeypatch.setattr(ggml, "_iqk_library", lambda: None)
     monkeypatch.setattr(ggml, "_told", False)
     assert not ggml.available() and not ggml.available()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not built" in err
 
 
+class StandIn:
+    """A stand-in library whose product scales a row by 1 + skew in a pass of several rows: skew 0 gives every row
+    its bits alone; a skew gives it others (as ik's one-row shortcuts did), what the load-time check must refuse."""
+
+    def __init__(self, skew: float):
+        self.skew, self._handle = skew, id(self)
+
+    def ms_vec_dot_type(self, type_id):
+        return 0
+
+    def ms_row_size(self, type_id, k):
+        return 4 * k
+
+    def ms_matmul(self, type_id, w, n, k, x, rows, y, scratch, threads):
+        import ctypes
+        xs = torch.frombuffer((ctypes.c_float * (rows * k)).from_address(x), dtype=torch.float32).view(rows, k)
+        ys = torch.frombuffer((ctypes.c_float * (rows * n)).from_address(y), dtype=torch.float32).view(rows, n)
+        ys.copy_(xs[:, :1].expand(rows, n) * (1 + self.skew * (rows > 1)))
+        return 0
+
+
+def test_the_load_time_check_refuses_a_form_whose_rows_depend_on_the_pass(monkeypatch):
+    monkeypatch.setattr(ggml, "_alike", {})
+    blocks = torch.zeros(32, 16, dtype=torch.uint8)
+    skewed, honest = StandIn(1e-6), StandIn(0.0)  # both alive: the finding is kept per library handle
+    assert not ggml.rows_alike(skewed, 12, blocks, 64)
+    assert ggml.rows_alike(honest, 12, blocks, 64)
+
+
 @needs_library
-def test_the_switch_off_multiplies_the_file_values_plainly():
+def test_the_product_is_chosen_at_load_and_falls_back_where_ik_has_none(monkeypatch):
+    raw = torch.from_numpy(blocks("q4_k", 16, 512, 8))
+    monkeypatch.delenv("MINISPEC_PRODUCT", raising=False)
+    assert ggml.GgmlWeight("q4_k", raw, 512).product_name == ("iqk" if BUILT["iqk"] else "ggml")
+    monkeypatch.setenv("MINISPEC_PRODUCT", "fastest")
+    with pytest.raises(ValueError, match="MINISPEC_PRODUCT must be one of iqk, ggml") as e:
+        ggml.GgmlWeight("q4_k", raw, 512)
+    assert "\n" not in str(e.value)
+    monkeypatch.delenv("MINISPEC_PRODUCT")
+    # ik's activation rows are whole groups of 128 values: a Q8_0 matrix of 96 inputs goes to llama.cpp's product
+    q8 = torch.from_numpy(blocks("q8_0", 16, 96, 9))
+    assert ggml.takes("q8_0", 96) == BUILT["ggml"]
+    if BUILT["ggml"]:
+        assert ggml.GgmlWeight("q8_0", q8, 96).product_name == "ggml"
+
+
+@needs_library
+def test_the_switch_off_multiplies_the_file_values_plainly(product):
     from minispec import kernels
     n, k = 16, 512
     raw = blocks("q4_k", n, k, 8)

