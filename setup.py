@@ -1,7 +1,8 @@
-"""minispec's build step: the quantized product (native/ggml_shim.c with llama.cpp's ggml CPU kernels, built by
-tools/build_ggml.py) compiled into the package when llama.cpp's source (build/llama.cpp, fetched by `make setup`)
-and a compiler are there. Without them the install still succeeds: minispec then computes kept matrices in
-PyTorch, and says so once at first use. Everything else is in pyproject.toml."""
+"""minispec's build step: the quantized products (native/ggml_shim.c with llama.cpp's ggml CPU kernels,
+native/iqk_shim.c with ik_llama.cpp's row-tiled ones, built by tools/build_ggml.py) compiled into the package when
+their sources (under build/, fetched by `make setup`) and a compiler are there. Without them the install still
+succeeds: minispec then uses the other product, or computes kept matrices in PyTorch, and says so once at first
+use. Everything else is in pyproject.toml."""
 
 import importlib.util
 import sys
@@ -21,14 +22,20 @@ class BuildPyWithProduct(build_py):
             spec = importlib.util.spec_from_file_location("build_ggml", ROOT / "tools" / "build_ggml.py")
             builder = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(builder)
-            src = builder.source(fetch=False)
-            if src is None:
-                print("minispec: quantized product not built (no llama.cpp source: `make setup` or "
-                      "`python tools/build_ggml.py` fetches it)", file=sys.stderr)
-                return
-            builder.build(src, dest)
         except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path, never a failed install
-            print(f"minispec: quantized product not built: {e}", file=sys.stderr)
+            print(f"minispec: quantized products not built: {e}", file=sys.stderr)
+            return
+        for what, find, make in (("llama.cpp's", builder.source, builder.build),
+                                 ("ik_llama.cpp's", builder.ik_source, builder.build_ik)):
+            try:
+                src = find(fetch=False)
+                if src is None:
+                    print(f"minispec: {what} quantized product not built (no source: `make setup` or "
+                          "`python tools/build_ggml.py` fetches it)", file=sys.stderr)
+                    continue
+                make(src, dest)
+            except Exception as e:  # noqa: BLE001 - any failure leaves the other paths, never a failed install
+                print(f"minispec: {what} quantized product not built: {e}", file=sys.stderr)
 
 
 setup(cmdclass={"build_py": BuildPyWithProduct})

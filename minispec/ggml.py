@@ -60,8 +60,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     lib.ms_row_size.argtypes, lib.ms_row_size.restype = [ctypes.c_int, i64], ctypes.c_size_t
     lib.ms_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p, ctypes.c_int]
     lib.ms_repack.argtypes = [ctypes.c_int, p, i64, i64, p]
-    if hasattr(lib, "ms_dequantize"):  # llama.cpp's: its repacked Q4_K product and ggml's own dequantization
-        lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
+    lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
+    if hasattr(lib, "ms_repackable"):  # llama.cpp's: its repacked Q4_K product
         lib.ms_repackable.argtypes = [ctypes.c_int, i64, i64]
         lib.ms_matmul_repacked.argtypes = lib.ms_matmul.argtypes
     lib.ms_init()
@@ -216,13 +216,11 @@ def takes(kind: str, k: int) -> bool:
 
 
 def dequantize(kind: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """ggml's own dequantization of an (N, row bytes) block matrix (minispec.quantized's, the same values, where
-    llama.cpp's library is not built)."""
-    if _library() is None:
-        from .quantized import decode_blocks  # imports this module: imported when first needed
-        return decode_blocks(kind, blocks)
+    """ggml's own dequantization of an (N, row bytes) block matrix, by whichever library is built (the same
+    values: tests/test_ggml.py checks both against gguf's), for tests and the switch-off path."""
+    lib = _library() or _iqk_library()
     out = torch.empty(blocks.shape[0], k)
-    if _library().ms_dequantize(TYPES[kind][0], blocks.contiguous().data_ptr(), blocks.shape[0], k,
-                                out.data_ptr()) != 0:
-        raise ValueError(f"ggml cannot dequantize {kind}")
+    if lib is None or lib.ms_dequantize(TYPES[kind][0], blocks.contiguous().data_ptr(), blocks.shape[0], k,
+                                        out.data_ptr()) != 0:
+        raise ValueError(f"ggml cannot dequantize {kind} here")
     return out

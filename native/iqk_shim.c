@@ -113,3 +113,12 @@ int ms_repack(int type, const void *w, int64_t n, int64_t k, void *dst) {
     ggml_free(ctx);
     return repacked != type && ms_vec_dot_type(repacked) >= 0 ? repacked : -1;
 }
+
+// The (n, k) matrix of `type` as float32 (ggml's own dequantization in ik's copy), for tests and the switch-off path.
+int ms_dequantize(int type, const void *w, int64_t n, int64_t k, float *out) {
+    const ggml_type_traits_t t = ggml_internal_get_type_traits((enum ggml_type)type);
+    if (!t.to_float) return -1;
+    const size_t row = ggml_row_size((enum ggml_type)type, k);
+    for (int64_t r = 0; r < n; r++) t.to_float((const uint8_t *)w + r * row, out + r * k, k);
+    return 0;
+}

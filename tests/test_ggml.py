@@ -56,10 +56,13 @@ def values(raw: np.ndarray, kind: str, n: int, k: int) -> torch.Tensor:
 
 @needs_library
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_ggml_reads_the_file_values_gguf_reads(kind):
+def test_ggml_reads_the_file_values_gguf_reads(kind, monkeypatch):
     n, k = 24, 512
     raw = blocks(kind, n, k, 1)
-    assert torch.equal(ggml.dequantize(kind, torch.from_numpy(raw), k), values(raw, kind, n, k))
+    for name, lib in (("ggml", ggml._library()), ("iqk", ggml._iqk_library())):  # each library's own copy
+        if lib is not None:
+            monkeypatch.setattr(ggml, "_library", lambda lib=lib: lib)
+            assert torch.equal(ggml.dequantize(kind, torch.from_numpy(raw), k), values(raw, kind, n, k)), name
 
 
 @needs_library

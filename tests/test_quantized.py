@@ -410,4 +410,5 @@ def test_greedy_speculation_with_the_real_kept_target(real_pair):
     ids = [kept.tokenizer.encode(p) for p in PROMPTS]
     want = kept.generate(ids, max_new_tokens=16)
     assert kept.speculate(fp32, ids, k=4, max_new_tokens=16).tokens == want
+    assert kept.speculate(fp32, ids, k=8, max_new_tokens=16).tokens == want  # 9-row verify passes
     assert kept.speculate("prompt-lookup", ids, k=3, max_new_tokens=16).tokens == want

@@ -13,6 +13,8 @@ left out). Run quiet: every figure here moves with the machine's memory bandwidt
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import os
 import platform
 import statistics
@@ -46,11 +48,8 @@ def llama_bench(binary: Path, threads: int, extra: list[str]) -> dict[str, float
     """One llama-bench run (tg32, pp5, pp9, pp64, one repetition each) -> ms a pass by test name."""
     out = subprocess.run([str(binary), "-m", GGUF, "-t", str(threads), "-p", "5,9,64", "-n", "32", "-r", "1",
                           "-o", "csv", *extra], capture_output=True, text=True, check=True).stdout
-    lines = [line for line in out.splitlines() if line.startswith('"')]
-    head = [h.strip('"') for h in lines[0].split(",")]
     res = {}
-    for line in lines[1:]:
-        row = dict(zip(head, (v.strip('"') for v in line.split(","))))
+    for row in csv.DictReader(io.StringIO(out)):
         n_gen, n_prompt = int(row["n_gen"]), int(row["n_prompt"])
         name = f"tg{n_gen}" if n_gen else f"pp{n_prompt}"
         res[name] = 1000 / float(row["avg_ts"]) * (1 if n_gen else n_prompt)  # ms a token, or a whole prompt
