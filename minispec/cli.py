@@ -59,9 +59,9 @@ class UsageError(ValueError):
     exit status 2."""
 
 
-# ---- argument types: a bad value is an argparse error (exit status 2) naming the option
+# ---- argument types: a bad value is an argparse error (exit status 2) naming the option (the tools use them too)
 
-def _int_at_least(lo: int):
+def int_at_least(lo: int):
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -73,7 +73,7 @@ def _int_at_least(lo: int):
     return parse
 
 
-def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+def float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
     """A finite number in the interval (inf and nan are refused even where hi is inf: no setting takes them)."""
     def parse(s: str) -> float:
         try:
@@ -98,7 +98,7 @@ def _checkpoint_dir(s: str) -> str:
 
 
 def k_argument(s: str) -> int | str:
-    return "auto" if s == "auto" else _int_at_least(1)(s)
+    return "auto" if s == "auto" else int_at_least(1)(s)
 
 
 def generate_k_argument(s: str) -> int | str:
@@ -121,7 +121,7 @@ def _draft(s: str) -> str:
 
 def _int_in(lo: int, hi: int):
     def parse(s: str) -> int:
-        v = _int_at_least(lo)(s)
+        v = int_at_least(lo)(s)
         if v > hi:
             raise argparse.ArgumentTypeError(f"{v} is more than {hi}")
         return v
@@ -162,10 +162,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the checkpoint's chat template")
-    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64, help="default 64")
-    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_int_at_least(1), default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=64, help="default 64")
+    p.add_argument("--temperature", type=float_in(0.0, float("inf")), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int_at_least(1), default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=None, help="nucleus sampling mass")
     p.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
                    help="the same seed gives the same tokens, except with --draft and --k auto: k then follows "
                         "measured timings, so the tokens can differ run to run (their distribution is exact "
@@ -324,10 +324,10 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-url", type=_url, metavar="URL",
                    help="without --target: a deployment of the same model without speculation, whose samples are "
                         "the two-sample audit's reference (the same engine kind as --url)")
-    p.add_argument("--request-timeout", type=_float_in(0.0, float("inf"), lo_open=True), metavar="SECONDS",
+    p.add_argument("--request-timeout", type=float_in(0.0, float("inf"), lo_open=True), metavar="SECONDS",
                    default=REQUEST_S, help="server engines: the deadline of one whole answer, a trickling one "
                                            f"included (default {REQUEST_S:g})")
-    p.add_argument("--concurrency", type=_int_at_least(1), metavar="N",
+    p.add_argument("--concurrency", type=int_at_least(1), metavar="N",
                    help="server engines: requests kept in flight, which the server batches (default 4 for a "
                         "llama-server, 1 otherwise)")
     p.add_argument("--mixed-seeds", action="store_true",
@@ -335,7 +335,7 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                         "requests")
     p.add_argument("--prompt-ids", action="append", metavar="IDS",
                    help="a prompt as comma-separated token ids (repeatable); the prompts of a run without --target")
-    p.add_argument("--server-threads", type=_int_at_least(1), metavar="N",
+    p.add_argument("--server-threads", type=int_at_least(1), metavar="N",
                    help="--engine llama.cpp: the CPU threads of the server it starts (default: llama.cpp's own)")
     p.add_argument("--no-model-check", action="store_true",
                    help="--engine llama.cpp: skip the check that the server runs the --target model")
@@ -350,15 +350,15 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                    help="write the samples tested, in the --samples-file format (once the verdict is complete)")
     p.add_argument("--prompt", metavar="TEXT", help="a prompt (text)")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (with --prompt: both)")
-    p.add_argument("--samples", type=_int_at_least(MIN_SAMPLES), metavar="N",
+    p.add_argument("--samples", type=int_at_least(MIN_SAMPLES), metavar="N",
                    help=f"samples per prompt, >= {MIN_SAMPLES} (default {d['samples']})")
-    p.add_argument("--tokens", type=_int_at_least(1), metavar="T",
+    p.add_argument("--tokens", type=int_at_least(1), metavar="T",
                    help=f"new tokens per sample (default {d['tokens']})")
-    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), metavar="X",
+    p.add_argument("--temperature", type=float_in(0.0, float("inf")), metavar="X",
                    help=f"default {d['temperature']}; 0 checks equality with target greedy instead")
-    p.add_argument("--top-k", type=_int_at_least(0), metavar="K",
+    p.add_argument("--top-k", type=int_at_least(0), metavar="K",
                    help=f"sample from the k most likely tokens; 0 = off (default {d['top_k']})")
-    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), metavar="P", help="nucleus sampling mass")
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), metavar="P", help="nucleus sampling mass")
     p.add_argument("--k", type=k_argument, metavar="K",
                    help=f"draft tokens per round, or 'auto' (default {d['k']}); for transformers-assisted, the "
                         "assistant's num_assistant_tokens ('auto': transformers' own schedule)")
@@ -366,18 +366,18 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                    help="--engine minispec: instead of --k, a token tree per round (children per depth, e.g. 2,2,2; "
                         "WxD, e.g. 4x4: placed by the draft), or 'auto' (a chain or a tree chosen each round from "
                         "measured costs)")
-    p.add_argument("--seed", type=_int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
+    p.add_argument("--seed", type=int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
-    p.add_argument("--alpha", type=_float_in(0.0, 1.0, lo_open=True, hi_open=True), metavar="A", default=d["alpha"],
+    p.add_argument("--alpha", type=float_in(0.0, 1.0, lo_open=True, hi_open=True), metavar="A", default=d["alpha"],
                    help=f"significance level of the verdict, in (0, 1) (default {d['alpha']})")
     p.add_argument("--order", choices=("id", "prob", "both"), default="both",
                    help="token order of the PIT's CDF: token ids, descending probability, or both (default)")
-    p.add_argument("--bins", type=_int_at_least(2), metavar="B", default=d["bins"],
+    p.add_argument("--bins", type=int_at_least(2), metavar="B", default=d["bins"],
                    help="chi-square histogram bins (default 20)")
-    p.add_argument("--batch-size", type=_int_at_least(1), metavar="B", default=d["batch_size"],
+    p.add_argument("--batch-size", type=int_at_least(1), metavar="B", default=d["batch_size"],
                    help=f"samples per batched sampling call and per early-stop look (default {d['batch_size']})")
-    p.add_argument("--power-runs", type=_int_at_least(0), metavar="R", default=d["power_runs"],
+    p.add_argument("--power-runs", type=int_at_least(0), metavar="R", default=d["power_runs"],
                    help=f"simulated runs per bias size for the power figure; 0 = none (default {d['power_runs']})")
     p.add_argument("--no-reference", action="store_true", help="skip the target-only calibration run (halves the time)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")

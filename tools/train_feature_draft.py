@@ -36,6 +36,7 @@ from feature_data import collect, read_sequences
 from tqdm import tqdm
 
 from minispec import ModelConfig, Transformer
+from minispec.cli import float_in, int_at_least
 from minispec.feature_draft import FeatureDraft, build_feature_draft
 
 from distill.checkpoint import load_checkpoint, save_checkpoint  # tools/ is on sys.path when this runs as a script
@@ -340,36 +341,10 @@ def measure(target_dir: str, draft_dir: str, n_prompts: int, new_tokens: int, te
     return out
 
 
-def at_least(lo: int):
-    """An integer >= lo, else argparse's one-line error (exit 2): --steps -1 would otherwise train nothing."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{v} is less than {lo}")
-        return v
-    return parse
-
-
-def number(positive: bool):
-    """A finite number, > 0 where `positive`, else >= 0; argparse's one-line error otherwise."""
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(v) or v < 0 or (positive and v == 0):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number {'> 0' if positive else '>= 0'}")
-        return v
-    return parse
-
-
-# TrainConfig's fields as options: what each must be
-FIELD_TYPES = {"head_vocab": at_least(1), "lr": number(True), "warmup": at_least(1), "weight_decay": number(False),
-               "feature_weight": number(False), "batch": at_least(1), "seed": at_least(0), "unroll": at_least(1),
-               "decay_steps": at_least(0), "final_lr": number(False)}
+POSITIVE, NON_NEGATIVE = float_in(0, math.inf, lo_open=True), float_in(0, math.inf)  # finite numbers
+FIELD_TYPES = {"head_vocab": int_at_least(1), "lr": POSITIVE, "warmup": int_at_least(1), "weight_decay": NON_NEGATIVE,
+               "feature_weight": NON_NEGATIVE, "batch": int_at_least(1), "seed": int_at_least(0),
+               "unroll": int_at_least(1), "decay_steps": int_at_least(0), "final_lr": NON_NEGATIVE}
 
 
 def main(argv=None) -> int:
@@ -380,22 +355,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompts", default=PROMPTS)
     ap.add_argument("--overwrite", action="store_true", help="export: replace a non-empty --out folder whole")
-    ap.add_argument("--gen", type=at_least(0), default=32, help="code prompts the target answers")
-    ap.add_argument("--src", type=at_least(0), default=400, help="pieces of site-packages source, teacher-forced")
-    ap.add_argument("--max-new-tokens", type=at_least(1), default=128)
-    ap.add_argument("--collect-minutes", type=number(True), default=None)
-    ap.add_argument("--collect-batch", type=at_least(1), default=8, help="sequences a pass while collecting (16 "
+    ap.add_argument("--gen", type=int_at_least(0), default=32, help="code prompts the target answers")
+    ap.add_argument("--src", type=int_at_least(0), default=400, help="pieces of site-packages source, teacher-forced")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    ap.add_argument("--collect-minutes", type=POSITIVE, default=None)
+    ap.add_argument("--collect-batch", type=int_at_least(1), default=8, help="sequences a pass while collecting (16 "
                     "generates half again as many positions a second as 8 on 2 cores)")
-    ap.add_argument("--steps", type=at_least(1), default=None)
-    ap.add_argument("--train-minutes", type=number(True), default=None)
-    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap.add_argument("--steps", type=int_at_least(1), default=None)
+    ap.add_argument("--train-minutes", type=POSITIVE, default=None)
+    ap.add_argument("--threads", type=int_at_least(1), default=2)
     ap.add_argument("--draft", default=None, help="measure: the draft directory (default --out)")
-    ap.add_argument("--n-prompts", type=at_least(1), default=8, help="measure: coder bench prompts")
+    ap.add_argument("--n-prompts", type=int_at_least(1), default=8, help="measure: coder bench prompts")
     for name, f in TrainConfig.__dataclass_fields__.items():
         if name not in ("dim", "ffn_dim"):
             ap.add_argument(f"--{name.replace('_', '-')}", type=FIELD_TYPES[name], default=f.default)
-    ap.add_argument("--dim", type=at_least(1), default=None)
-    ap.add_argument("--ffn-dim", type=at_least(1), default=None)
+    ap.add_argument("--dim", type=int_at_least(1), default=None)
+    ap.add_argument("--ffn-dim", type=int_at_least(1), default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     return exit_status(lambda: run_stages(args))
