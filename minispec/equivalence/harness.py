@@ -29,10 +29,9 @@ from ..tree import AUTO_SHAPES, DynamicTree, check_tree, tree_size, tree_text
 from .engines import ENGINES, TransformersEngine
 from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
-from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
-from .stats import ORDERS, RunStats, analyse, pit
+from .samples import MIN_SAMPLES, SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
+from .stats import EARLY_ALPHA, ORDERS, RunStats, analyse, look_alphas, pit  # noqa: F401
 
-MIN_SAMPLES = 10
 # The defaults (Hugging Face's top_k=50, a common temperature) give each negative control of
 # minispec.controls a real effect: temperature != 1 and top-k make the processed q differ from the
 # raw softmax (what a control of the draft's draw needs; top-k more than doubles that effect on
@@ -40,12 +39,6 @@ MIN_SAMPLES = 10
 # acceptance step to show.
 DEFAULTS = dict(samples=2000, tokens=8, k=4, temperature=0.7, top_k=50, top_p=None, seed=0, sampler="exact",
                 alpha=0.01, bins=20, batch_size=256, power_runs=RUNS)
-# Sequential early stop of a clear failure: after each batch of samples but the last (an interim look), the
-# samples so far are tested at EARLY_ALPHA * alpha / (number of interim looks); the final test runs at
-# (1 - EARLY_ALPHA) * alpha. By Bonferroni over the looks a correct sampler still fails with probability at
-# most alpha, a passing run loses almost nothing (alpha 0.0099 instead of 0.01), and a broken sampler whose
-# first batch already fails by a wide margin stops there instead of drawing every sample.
-EARLY_ALPHA = 0.01
 
 
 @dataclass
@@ -648,8 +641,7 @@ def _verdict(target, chunks, prompts, counts, params: SamplingParams, T: int, se
     if params.greedy:
         return _greedy(target, chunks, prompts, T, settings, file_settings, notes, t_start)
     looks = _n_chunks(counts, batch_size) - 1 if interim else 0
-    a_look = EARLY_ALPHA * alpha / looks if looks else 0.0
-    a_final = alpha - a_look * looks
+    a_look, a_final = look_alphas(alpha, looks)  # the early-stop rule (stats.EARLY_ALPHA)
     tested = _score(target, chunks, params, np.random.default_rng([seed, 1]), orders, bins, looks, a_look,
                     HEAD if power_runs else 0)
     drawn = _drawn(settings, file_settings, tested.pairs)

@@ -51,7 +51,7 @@ from ..errors import check_int, is_int, show
 from ..sampling import SamplingParams
 from .http import REQUEST_S, Cancel, ServerError, ascii_digits, base_url, check_seconds, get_json, get_text
 from .llama_server import ENGINE as LLAMA_CPP
-from .llama_server import OFF, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
+from .llama_server import OFF, PROB_TOLERANCE, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
 from .llama_server import check_same_model as llama_check_same_model
 from .samples import SampleSet, group
 
@@ -157,7 +157,6 @@ class Endpoint:
 
 
 TOP = 20  # next-token probabilities the model check compares
-PROB_TOLERANCE = 1e-2  # as llama_server's: the server's probabilities within this of the target's (fp32)
 
 
 def top_probs(endpoint: Endpoint, prompt: list[int], vocab_size: int) -> dict[int, float]:

@@ -30,6 +30,7 @@ from ..errors import InputError, is_int, is_number, one_line, show
 from ..sampling import SamplingParams
 
 SETTINGS_KEYS = ("temperature", "top_k", "top_p", "new_tokens", "engine", "engine_version")
+MIN_SAMPLES = 10  # the fewest samples a test (the PIT harness's, the two-sample audit's, each run's) takes
 SAMPLE_KEYS = ("prompt", "tokens")
 BYTES_PER_ID = 32  # a token id as JSON writes it, with its separator and room for spaces
 LINE_SLACK = 1 << 20  # the rest of a line: keys, and whatever the settings line states besides the settings

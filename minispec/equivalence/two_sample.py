@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .power import RUNS, Power, two_sample_power
-from .samples import SETTINGS_KEYS, EquivalenceInputError, SampleSet, group
-from .stats import PERMUTATIONS, TwoSample, homogeneity
-
-MIN_SAMPLES = 10
+from .samples import MIN_SAMPLES, SETTINGS_KEYS, EquivalenceInputError, SampleSet, group
+from .stats import PERMUTATIONS, TwoSample, homogeneity, look_alphas
 
 
 @dataclass
@@ -132,13 +130,11 @@ def audit(test, reference, batch_size: int = 256, alpha: float = 0.01, seed: int
           permutations: int = PERMUTATIONS, names: tuple[str, str] | None = None) -> TwoSampleReport:
     """compare() on two servers' Drawings (minispec.equivalence.openai), drawn chunk by chunk in step, with the
     early-stop looks of the PIT harness: after each pair of chunks but the last, the samples so far are compared at
-    EARLY_ALPHA * alpha / (number of looks), and a failure there stops both drawings; the final comparison runs
+    stats.EARLY_ALPHA * alpha / (number of looks), and a failure there stops both drawings; the final comparison runs
     at the alpha left. The engine's draft counts come from the drawing under test."""
-    from .harness import EARLY_ALPHA
-
     runs = [test.chunks(batch_size), reference.chunks(batch_size)]
-    looks = sum(-(-n // batch_size) for n in test.counts) - 1
-    a_look = EARLY_ALPHA * alpha / looks if looks > 0 else 0.0
+    looks = max(sum(-(-n // batch_size) for n in test.counts) - 1, 0)
+    a_look, a_final = look_alphas(alpha, looks)  # the early-stop rule (stats.EARLY_ALPHA)
     taken, stopped = 0, False
     try:
         for _ in range(looks):
@@ -159,8 +155,8 @@ def audit(test, reference, batch_size: int = 256, alpha: float = 0.01, seed: int
             r.close()  # a stopped drawing ends its requests and reads its counters
     report = compare(group(test.settings, test.pairs, test.endpoint.name),
                      group(reference.settings, reference.pairs, reference.endpoint.name),
-                     alpha=a_look if stopped else alpha - a_look * looks, seed=seed, power_runs=power_runs,
+                     alpha=a_look if stopped else a_final, seed=seed, power_runs=power_runs,
                      permutations=permutations, drafted=test.drafted, accepted=test.accepted, names=names)
-    report.sequential = {"interim_looks": looks, "interim_alpha": a_look, "final_alpha": alpha - a_look * looks,
+    report.sequential = {"interim_looks": looks, "interim_alpha": a_look, "final_alpha": a_final,
                          "looks_taken": taken, "stopped_early": stopped, "samples_tested": len(test.pairs)}
     return report
