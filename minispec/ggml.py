@@ -181,29 +181,37 @@ class GgmlWeight(PackedWeight):
         # the matrix also in the form its product runs fastest, where it has one: ik's row-interleaved form (Q4_K as
         # Q4_K_R4, four rows to a block), or llama.cpp's eight-row Q4_K on AVX2; `blocks` stays the file's form
         # (the switch-off path reads it)
-        self.repacked, self._run = None, (lib.ms_matmul, self.type_id)
+        self.repacked, self._run = None, self._runner(lib.ms_matmul, self.type_id)
         if not repack:
             return
         packed = torch.empty_like(self.blocks)
         if self.product_name == "iqk":
             run_type = lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr())
             if run_type >= 0 and rows_alike(lib, run_type, packed[:CHECK_ROWS], k):
-                self.repacked, self._run = packed, (lib.ms_matmul, run_type)
+                self.repacked, self._run = packed, self._runner(lib.ms_matmul, run_type)
         elif lib.ms_repackable(self.type_id, *self.shape) and \
                 lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr()) == 0:
-            self.repacked, self._run = packed, (lib.ms_matmul_repacked, self.type_id)
+            self.repacked, self._run = packed, self._runner(lib.ms_matmul_repacked, self.type_id)
+
+    def _runner(self, matmul, type_id: int) -> tuple:
+        """(the product function, the type it is called with, its scratch bytes per activation row)."""
+        return matmul, type_id, self.lib.ms_row_size(self.lib.ms_vec_dot_type(type_id), self.shape[1])
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        lib, (n, k) = self.lib, self.shape
-        x = rows.reshape(-1, k).to(torch.float32).contiguous()
+        (n, k), (matmul, type_id, x_row) = self.shape, self._run
+        x = rows.reshape(-1, k)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
         if not kernels.enabled():  # the switch off: the file's values in float, the plain product
             return F.linear(x, dequantize(self.kind, self.blocks, k))
-        y = torch.empty(x.shape[0], n)
-        (matmul, type_id), w = self._run, (self.blocks if self.repacked is None else self.repacked)
-        scratch = torch.empty(min(x.shape[0], MAX_ROWS) * lib.ms_row_size(lib.ms_vec_dot_type(type_id), k),
-                              dtype=torch.uint8)
+        m, w = x.shape[0], (self.blocks if self.repacked is None else self.repacked)
+        y = torch.empty(m, n)
+        scratch = torch.empty(min(m, MAX_ROWS) * x_row, dtype=torch.uint8)
         threads = getattr(_local, "threads", None) or torch.get_num_threads()
-        for i in range(0, x.shape[0], MAX_ROWS):
+        if m <= MAX_ROWS:  # a decode step or a verify pass: one call (a step makes ~170 of them: kept short)
+            matmul(type_id, w.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), scratch.data_ptr(), threads)
+            return y
+        for i in range(0, m, MAX_ROWS):
             part = x[i:i + MAX_ROWS]
             matmul(type_id, w.data_ptr(), n, k, part.data_ptr(), part.shape[0], y[i:i + MAX_ROWS].data_ptr(),
                    scratch.data_ptr(), threads)
