@@ -12,7 +12,8 @@ them into this package), the product chosen once, when the matrix is loaded:
   with one activation row (Q8_K for the K-quants), Q4_K repacked as llama.cpp does on AVX2.
 
 Either way a row's bits never depend on how many rows share the pass or on the thread count
-(tests/test_iqk.py, tests/test_ggml.py), so a verify pass gives every position the bits a decode step gives it.
+(tests/test_ggml.py checks both, and `rows_alike` ik's forms at load), so a verify pass gives every position the
+bits a decode step gives it.
 `MINISPEC_PRODUCT=ggml` (or `iqk`) picks a library for the matrices loaded after it is set; unset, iqk where it
 can. `available()` says whether either library loads; when neither does (no compiler or source at install time,
 another CPU architecture), a one-line notice says so at first use, and the kept matrices compute in PyTorch
@@ -151,8 +152,9 @@ def available() -> bool:
     lib = _iqk_library() or _library()
     if lib is None and not _told:
         _told = True
-        print(f"minispec: the quantized product ({LIBRARY.name}) is not built or does not load here; kept "
-              "matrices compute in PyTorch (slower; `python tools/build_ggml.py` builds it)", file=sys.stderr)
+        print(f"minispec: the quantized products ({IQK_LIBRARY.name}, {LIBRARY.name}) are not built or do not "
+              "load here; kept matrices compute in PyTorch (slower; `python tools/build_ggml.py` builds them)",
+              file=sys.stderr)
     return lib is not None
 
 
@@ -184,13 +186,14 @@ class GgmlWeight(PackedWeight):
         self.repacked, self._run = None, self._runner(lib.ms_matmul, self.type_id)
         if not repack:
             return
+        iqk = self.product_name == "iqk"
+        if not iqk and not lib.ms_repackable(self.type_id, *self.shape):
+            return
         packed = torch.empty_like(self.blocks)
-        if self.product_name == "iqk":
-            run_type = lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr())
-            if run_type >= 0 and rows_alike(lib, run_type, packed[:CHECK_ROWS], k):
-                self.repacked, self._run = packed, self._runner(lib.ms_matmul, run_type)
-        elif lib.ms_repackable(self.type_id, *self.shape) and \
-                lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr()) == 0:
+        run_type = lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr())
+        if iqk and run_type >= 0 and rows_alike(lib, run_type, packed[:CHECK_ROWS], k):
+            self.repacked, self._run = packed, self._runner(lib.ms_matmul, run_type)
+        elif not iqk and run_type == 0:
             self.repacked, self._run = packed, self._runner(lib.ms_matmul_repacked, self.type_id)
 
     def _runner(self, matmul, type_id: int) -> tuple:

