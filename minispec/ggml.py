@@ -221,9 +221,10 @@ class GgmlWeight(PackedWeight):
         return y
 
 
-def takes(kind: str, k: int) -> bool:
-    """Whether a built product multiplies a `kind` matrix of k inputs here."""
-    return product_library(TYPES[kind][0], k) is not None
+def takes(kind: str, k: int, blocks: torch.Tensor | None = None) -> bool:
+    """Whether a built product multiplies a `kind` matrix of k inputs here (given its `blocks`, as `GgmlWeight` would
+    choose for them: ik's product only where its rows are alike on this CPU)."""
+    return product_library(TYPES[kind][0], k, None if blocks is None else blocks[:CHECK_ROWS]) is not None
 
 
 def dequantize(kind: str, blocks: torch.Tensor, k: int) -> torch.Tensor:

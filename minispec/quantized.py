@@ -225,7 +225,7 @@ def packed_weight(form: str, parts: dict[str, torch.Tensor]) -> PackedWeight:
         blocks = parts[form]
         _, values, size = ggml.TYPES[form]
         k = blocks.shape[1] // size * values
-        if kernels.enabled() and ggml.available() and ggml.takes(form, k):
+        if kernels.enabled() and ggml.available() and ggml.takes(form, k, blocks):
             return ggml.GgmlWeight(form, blocks, k)
         if form == "q4_k":
             return packed_weight("q4", q4_k_groups(blocks.reshape(-1), blocks.shape[0], k))
