@@ -2,14 +2,15 @@
 
 After Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et
 al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"). The maths is pure
-functions (`acceptance`, `residual`, `verify`, `greedy_verify`), `speculate` the loop around them.
-One round's six steps, and why the output has the target's law: docs/design.md.
+functions (`acceptance`, `residual`, `verify`, `greedy_verify`, `tree_verify`), `decide` the one acceptance step
+of a round (greedy or sampled, chain or tree), and `speculate` the loop around them: each round a schedule
+chooses (minispec.schedule), the drafter proposes, the target verifies, the round commits, the schedule observes.
+The round, and why the output has the target's law: docs/design.md, "One speculative round".
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,14 +32,13 @@ from .errors import (
     check_max_new_tokens,
     check_proposal,
     check_seed,
-    is_int,
     normalize_prompts,
     resolve_stop_tokens,
-    show,
 )
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
-from .tree import AdaptiveTree, DynamicTree, check_tree, check_tree_proposal, depths, fitting, tree_size
+from .schedule import K_UNSET, Outcome, Plan, check_plan, make_schedule
+from .tree import AdaptiveTree, DynamicTree, chain, check_tree_proposal, depths, fitting, tree_size
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -229,10 +229,10 @@ class SpeculativeStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target accepted
     committed: int = 0  # new tokens emitted (accepted + one per round, less any cut at a stop token)
-    position_drafted: list[int] = field(default_factory=list)  # [j]: drafts proposed at draft position j+1
-    position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted
+    position_drafted: list[int] = field(default_factory=list)  # [j]: rows that drafted to depth j+1 (a chain: position)
+    position_accepted: list[int] = field(default_factory=list)  # [j]: of those, accepted to depth j+1
     draft_time_s: float = 0.0  # wall time spent drafting
-    verify_time_s: float = 0.0  # wall time in the target's forward and the acceptance step
+    verify_time_s: float = 0.0  # wall time in the target's forward, the acceptance step and the commit
     k_chosen: list[int] = field(default_factory=list)  # each round's k (with k="auto": the one chosen)
     tree_chosen: list[tuple[int, ...]] = field(default_factory=list)  # with a tree: each round's shape (() plain)
 
@@ -265,12 +265,25 @@ class SpeculativeStats:
             out.tree_chosen += st.tree_chosen
         return out
 
-    def _count(self, n_drafted: int, n_accepted: int) -> None:
-        _add_counts(self.position_drafted, [1] * n_drafted)
-        _add_counts(self.position_accepted, [1] * n_accepted + [0] * (n_drafted - n_accepted))
-        self.drafted += n_drafted
+    def record_row(self, parents: list[int], n_accepted: int, n_committed: int = 0) -> None:
+        """One row's round: its drafts' parents (a chain's: tree.chain(k)), how many the walk accepted (a path from
+        the root, so a depth) and the tokens it committed. Per position: the depths drafted and reached."""
+        depth = max(depths(parents), default=0)
+        _add_counts(self.position_drafted, [1] * depth)
+        _add_counts(self.position_accepted, [1] * n_accepted + [0] * (depth - n_accepted))
+        self.drafted += len(parents)
         self.accepted += n_accepted
+        self.committed += n_committed
         self.sequence_rounds += 1
+
+    def record_round(self, plan: Plan, draft_s: float, verify_s: float) -> None:
+        """One batched round: its plan and its wall times."""
+        self.rounds += 1
+        self.k_chosen.append(plan.k)
+        if plan.shape is not None:
+            self.tree_chosen.append(plan.shape)
+        self.draft_time_s += draft_s
+        self.verify_time_s += verify_s
 
 
 def _add_counts(mine: list[int], theirs: list[int]) -> None:
@@ -290,61 +303,113 @@ class SpeculativeResult:
 
 @dataclass
 class Proposal:
-    """One round's drafts, from the propose step: per live row, its draft tokens and the q each was drawn from."""
+    """One round's drafts, from the propose step: per live row, its draft tokens, their parents and the q each was
+    drawn from. A chain is the tree whose parents are [-1, 0, 1, ...]."""
 
     rows: list[int]  # the live rows (indices into the prompt batch), in the order of every list here
-    k: int  # the round's k, fixed before anything was drafted
-    drafts: list[list[int]]  # per row: d_1..d_n (n <= k: a row's budget or the drafter may cut it); a tree's nodes
+    drafts: list[list[int]]  # per row: its draft tokens (a tree's nodes breadth-first); a budget may cut them
     qs: list[torch.Tensor]  # per row: (n, V) the distributions the drafts were drawn from
-    parents: list[list[int]] | None = None  # a tree round: per row, each node's parent (-1: the root); None: chains
+    parents: list[list[int]]  # per row: each draft's parent (-1: the root, the last committed token)
+    tree: bool = False  # a tree round (drafted as a tree, fed with parents, walked); False: a chain round
 
 
 @dataclass
 class Verdict:
     """What the verify step decided, per row of a Proposal: the drafts accepted and the token after them."""
 
-    accepted: list[int]  # per row: how many drafts were accepted
+    paths: list[list[int]]  # per row: the accepted drafts, root to leaf (a chain's: 0, 1, ..., n - 1)
     next_tokens: list[int]  # per row: the token drawn after them (the correction, or the bonus token)
-    # The target's final hidden states of the verify pass, (rows, T, dim): row b's pass holds its pending tokens
-    # then its drafts, so its drafts' states start at index n_pending[b]. A drafter that reads the target's states
-    # has had them already, through Drafter.see_hidden; nothing keeps them after the round.
-    hidden: torch.Tensor
-    n_pending: list[int]  # per row: the tokens fed before its drafts (at least the last committed one)
-    paths: list[list[int]] | None = None  # a tree round: per row, the accepted nodes, root to leaf
+
+    @property
+    def accepted(self) -> list[int]:
+        """Per row: how many drafts were accepted."""
+        return [len(p) for p in self.paths]
+
+
+def decide(policy: ExactSampler, target, params: SamplingParams, prop: Proposal, h: torch.Tensor,
+           n_pending: list[int], gens: list) -> Verdict:
+    """The acceptance step of one round for every row, from the verify pass's hidden states h (rows, T, dim): row
+    b's p_1..p_{k+1} come from its last pending token (index n_pending[b] - 1) and each of its drafts.
+
+    Greedy or sampled, chain or tree, here alone: a greedy chain by policy.greedy_verify (the lm_head stops at the
+    first rejection); otherwise the logits of every row's positions in one product, then per row the argmax walk
+    (greedy_tree_verify) or, sampled, policy.verify (a chain) or policy.tree_verify (a tree) with the row's
+    uniforms, drawn from its generator after its drafts."""
+    drafts = prop.drafts
+    if params.greedy and not prop.tree:
+        # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
+        # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
+        n_acc, nxt = policy.greedy_verify(target, h, n_pending, drafts)
+        return Verdict([list(range(n)) for n in n_acc], nxt)
+    b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+    logits = target.logits(h[b_idx, t_idx]).float()
+    rows = list(itertools.pairwise([0, *itertools.accumulate(len(d) + 1 for d in drafts)]))  # row b's logits
+    if params.greedy:  # a tree: the target's argmax at every node, the walk to the child that matches it
+        top = logits.argmax(-1).tolist()
+        return Verdict(*map(list, zip(*(greedy_tree_verify(d, par, top[i:j])
+                                        for d, par, (i, j) in zip(drafts, prop.parents, rows)))))
+    probs = policy.target_probs(logits, params).double().cpu()
+    u = [torch.rand(len(d) + 1, generator=gens[r], dtype=torch.float64) for d, r in zip(drafts, prop.rows)]
+    if prop.tree:
+        decided = [policy.tree_verify(d, par, q, probs[i:j], ub)
+                   for d, par, q, (i, j), ub in zip(drafts, prop.parents, prop.qs, rows, u)]
+    else:
+        decided = [(list(range(n)), nxt) for n, nxt in (policy.verify(d, q, probs[i:j], ub)
+                                                         for d, q, (i, j), ub in zip(drafts, prop.qs, rows, u))]
+    return Verdict(*map(list, zip(*decided)))
 
 
 class _Run:
-    """The state one speculate call carries from round to round, and the three steps of a round: propose (the
-    drafter's tokens), verify (one target pass and the acceptance step) and commit (outputs, stats, both caches)."""
+    """What one speculate call carries from round to round, and a round's steps: propose (the drafter's tokens),
+    verify (one target pass and the acceptance step) and commit (outputs, stats, both caches)."""
 
-    def __init__(self, target, drafter: Drafter, policy: ExactSampler, params: SamplingParams, batch, budgets,
-                 active, seed, stops, on_tokens, block_size: int, keep_caches: bool, stats: SpeculativeStats,
-                 tree: tuple[int, ...] | DynamicTree | None = None):
-        self.target, self.drafter, self.policy, self.params, self.tree = target, drafter, policy, params, tree
-        self.budgets, self.active, self.stops, self.on_tokens = budgets, active, stops, on_tokens
-        self.keep_caches, self.stats = keep_caches, stats
+    def __init__(self, target, draft, prompts, k, tree, params: SamplingParams, seed, max_new_tokens, stop_tokens,
+                 on_tokens: OnTokens | None, block_size: int, sampler, keep_caches: bool):
+        check_seed(seed)  # here, before the prefills: the generators are made after them
+        check_max_new_tokens(max_new_tokens)
+        check_callable("on_tokens", on_tokens, GenerationError)
+        self.policy = get_sampler(sampler)
+        k, tree = check_plan(k, tree)
+        self.drafter = make_drafter(target, draft, self.policy.draw)
+        batch, self.single = normalize_prompts(target, prompts)
+        check_tree_drafter(self.drafter, tree)
+        self.schedule = make_schedule(k, tree, target, draft, self.drafter, params, len(batch), self.policy.name)
+        self.stops = resolve_stop_tokens(target, stop_tokens)
+        self.target, self.params, self.on_tokens, self.keep_caches = target, params, on_tokens, keep_caches
+        max_len = target.config.max_seq_len
+        # prompt + output <= max_seq_len
+        self.budgets = {i: min(max_new_tokens, max_len - len(p)) for i, p in enumerate(batch)}
+        self.active = [i for i in range(len(batch)) if self.budgets[i] > 0]
         self.out: list[list[int]] = [[] for _ in batch]
-        live_prompts = {i: batch[i] for i in active}
-        drafter.start(live_prompts, params, block_size, target.config.vocab_size)
+        self.stats, self.tgt = SpeculativeStats(), None
+        if self.active:  # nothing to generate: no prefill
+            self._start(batch, seed, block_size)
+
+    def _start(self, batch, seed, block_size: int) -> None:
+        """Both models' prefills and each row's generator."""
+        live_prompts = {i: batch[i] for i in self.active}
+        self.drafter.start(live_prompts, self.params, block_size, self.target.config.vocab_size)
         # the one hook through which a drafter reads the target's features (Drafter.see_hidden): the target's rows
         # report the states of every pass, the prefill's and each verify pass's, as they compute them
-        self.tgt = CachedRows(target, live_prompts, block_size, on_hidden=drafter.see_hidden if drafter.reads_hidden
-                              else None)
+        self.tgt = CachedRows(self.target, live_prompts, block_size,
+                              on_hidden=self.drafter.see_hidden if self.drafter.reads_hidden else None)
         self.gens = make_generators(seed, len(batch))
-        self.contexts = {i: list(batch[i]) for i in active}  # prompt + committed tokens (what prompt lookup searches)
+        self.contexts = {i: list(batch[i]) for i in self.active}  # prompt + committed tokens (prompt lookup's)
 
-    def propose(self, k: int) -> Proposal:
-        """The drafter's tokens for every live row, at most k each and never past a row's remaining budget (a
+    def propose(self, plan: Plan) -> Proposal:
+        """The drafter's tokens for every live row, at most plan.k each and never past a row's remaining budget (a
         round commits at most k + 1 tokens). A tree round: a tree per row, no deeper than the budget allows."""
         room = [self.budgets[i] - len(self.out[i]) - 1 for i in self.active]
-        if self.tree is None:
-            ks = [min(k, r) for r in room]
+        vocab = self.target.config.vocab_size
+        if plan.tree is None:
+            ks = [min(plan.k, r) for r in room]
             proposal = self.drafter.propose(self.active, ks, self.contexts, self.gens)
-            drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, self.target.config.vocab_size)
-            return Proposal(list(self.active), k, drafts, qs)
+            drafts, qs = check_proposal(self.drafter, self.active, ks, proposal, vocab)
+            return Proposal(list(self.active), drafts, qs, [chain(len(d)) for d in drafts])
         window = self.target.config.max_seq_len  # the target's cache holds the context and every node
-        dynamic = isinstance(self.tree, DynamicTree)
-        caps, width = (self.tree.caps, self.tree.width) if dynamic else (self.tree, None)
+        dynamic = isinstance(plan.tree, DynamicTree)
+        caps, width = (plan.tree.caps, plan.tree.width) if dynamic else (plan.tree, None)
         shapes = [fitting(caps[:r], window - len(self.contexts[i]), width) for r, i in zip(room, self.active)]
         # a DynamicTree's width goes to the drafter only then: a drafter of fixed shapes need not know of it
         proposal = self.drafter.propose_tree(self.active, shapes, self.contexts, self.gens,
@@ -353,68 +418,36 @@ class _Run:
         if not (isinstance(proposal, tuple) and len(proposal) == 3):
             raise GenerationError(f"{name}.propose_tree must return (tokens, parents, q)")
         drafts, qs = check_proposal(self.drafter, self.active, [tree_size(sh, width) for sh in shapes],
-                                    (proposal[0], proposal[2]), self.target.config.vocab_size)
+                                    (proposal[0], proposal[2]), vocab)
         parents = [check_tree_proposal(name, i, sh, d, par, width)
                    for i, sh, d, par in zip(self.active, shapes, drafts, proposal[1])]
-        return Proposal(list(self.active), len(caps), drafts, qs, parents)
+        return Proposal(list(self.active), drafts, qs, parents, tree=True)
 
     def verify(self, prop: Proposal) -> Verdict:
-        """ONE target pass over every row's pending tokens and drafts, then the acceptance step of each row.
-
-        The pass gives hidden states (B, T, dim); p_1..p_{k+1} of row b come from those at its last pending token
-        and at each of its drafts. A tree's nodes are fed with their parents: each attends to the committed tokens
-        and its ancestors only, at the position of its depth, so its p is the one a chain along its path gets."""
-        drafts, policy, params, trees = prop.drafts, self.policy, self.params, prop.parents
+        """ONE target pass over every row's pending tokens and drafts, then the acceptance step (decide). A tree's
+        nodes are fed with their parents: each attends to the committed tokens and its ancestors only, at the
+        position of its depth, so its p is the one a chain along its path gets. A chain is fed as a chain."""
         n_pending = [len(self.tgt.pending[i]) for i in prop.rows]
-        h = self.tgt.feed(prop.rows, drafts, hidden=True, parents=trees)
-        if params.greedy and trees is None:
-            # p is one-hot on the target's argmax, so the exact rule is "accept the drafts while they equal it,
-            # then emit it"; greedy_verify skips the lm_head at positions after the first rejection
-            return Verdict(*policy.greedy_verify(self.target, h, n_pending, drafts), h, n_pending)
-        b_idx = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
-        t_idx = [n_pending[b] - 1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-        logits = self.target.logits(h[b_idx, t_idx]).float()
-        starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]  # row b's rows of logits: (sum k_b + 1, V)
-        if params.greedy:  # a tree: the target's argmax at every node, the walk to the child that matches it
-            top = logits.argmax(-1).tolist()
-            decided = [greedy_tree_verify(d, trees[b], top[starts[b]:starts[b + 1]]) for b, d in enumerate(drafts)]
-        else:
-            probs = policy.target_probs(logits, params).double().cpu()
-            u = [torch.rand(len(d) + 1, generator=self.gens[i], dtype=torch.float64) for d, i in zip(drafts, prop.rows)]
-            decided = [policy.verify(drafts[b], prop.qs[b], probs[starts[b]:starts[b + 1]], u[b]) if trees is None else
-                       policy.tree_verify(drafts[b], trees[b], prop.qs[b], probs[starts[b]:starts[b + 1]], u[b])
-                       for b in range(len(drafts))]
-        first, nxt = (list(x) for x in zip(*decided))
-        if trees is None:
-            return Verdict(first, nxt, h, n_pending)
-        return Verdict([len(path) for path in first], nxt, h, n_pending, first)
+        h = self.tgt.feed(prop.rows, prop.drafts, hidden=True, parents=prop.parents if prop.tree else None)
+        return decide(self.policy, self.target, self.params, prop, h, n_pending, self.gens)
 
     def commit(self, prop: Proposal, verdict: Verdict) -> None:
         """Each row's accepted drafts and next token, cut at a stop token or the budget, go to its output, the
         caller's on_tokens, both caches and the stats; a finished row leaves the live rows."""
         still = []
         for b, i in enumerate(prop.rows):
-            n, path = verdict.accepted[b], None if verdict.paths is None else verdict.paths[b]
-            if path is None:
-                self.stats._count(len(prop.drafts[b]), n)
-                new = prop.drafts[b][:n] + [verdict.next_tokens[b]]
-            else:  # per position: the depths drafted and reached; drafted: every node
-                depth = max(depths(prop.parents[b]), default=0)
-                self.stats._count(depth, n)
-                self.stats.drafted += len(prop.drafts[b]) - depth
-                new = [prop.drafts[b][j] for j in path] + [verdict.next_tokens[b]]
+            path = verdict.paths[b]
+            new = [prop.drafts[b][j] for j in path] + [verdict.next_tokens[b]]
             # a stop token inside the accepted run ends the sequence there
             new = new[:next((j for j, t in enumerate(new) if t in self.stops), len(new) - 1) + 1]
             self.out[i] += new
             self.contexts[i] += new
-            self.stats.committed += len(new)
+            self.stats.record_row(prop.parents[b], len(path), len(new))
             if self.on_tokens is not None:
                 self.on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
-            self.tgt.commit(i, new, path)
-            if path is None:
-                self.drafter.commit(i, new)
-            else:
-                self.drafter.commit(i, new, path)
+            # a chain's caches roll back to what agrees; a tree's first keep the path (a chain drafter knows no path)
+            self.tgt.commit(i, new, path if prop.tree else None)
+            self.drafter.commit(i, new, path) if prop.tree else self.drafter.commit(i, new)
             if self.out[i][-1] in self.stops or len(self.out[i]) >= self.budgets[i]:
                 if not self.keep_caches:
                     self.tgt.free(i)
@@ -423,12 +456,17 @@ class _Run:
                 still.append(i)
         self.active = still
 
+    def outcome(self, plan: Plan, prop: Proposal, verdict: Verdict, draft_s: float, verify_s: float) -> Outcome:
+        """The round as its schedule observes it."""
+        return Outcome(plan, prop.parents, verdict.paths, draft_s, verify_s, self.drafter.steps, self.stats.rounds > 0)
 
-_K_UNSET = object()  # speculate's k when the caller gave none: 4, unless a tree is given
+    def result(self) -> SpeculativeResult:
+        caches = (self.tgt, getattr(self.drafter, "rows", None)) if self.keep_caches and self.tgt else None
+        return SpeculativeResult(self.out[0] if self.single else self.out, self.stats, caches)
 
 
 @torch.inference_mode()
-def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_new_tokens: int = 64,
+def speculate(target, draft, prompts, k: int | str | AdaptiveK = K_UNSET, max_new_tokens: int = 64,
               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
               stop_tokens=None, on_tokens: OnTokens | None = None, block_size: int = 16,
               sampler: str | ExactSampler = "exact", keep_caches: bool = False,
@@ -436,88 +474,29 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = _K_UNSET, max_n
     """Generate with `target`, `draft` proposing up to k tokens per round (or a tree); exact in distribution.
 
     draft: a Transformer sharing the target's tokenizer, "prompt-lookup", or a Drafter.
-    k: draft tokens per round; "auto" picks k each round from the running acceptance estimate and the
-      measured step costs (AdaptiveK; 0 = plain decoding when speculation would not pay), carried over
-      from earlier calls with the same draft, sampling settings and batch size (see auto_k): the output's
-      distribution is exact, but the tokens of a seed can vary run to run with the timings; "auto-fixed"
-      adapts k from the acceptance alone with fixed step costs (fixed_cost_ratio), so a seed always gives
-      the same tokens; or an AdaptiveK of your own. Default 4 (without a tree).
-    tree: instead of k, a token tree per round: (b_1, ..., b_d) gives every node at depth i - 1 up to b_i children,
-      drawn by the draft without replacement (greedy: its top b_i), all scored in one target pass and walked by
-      tree_verify (docs/design.md, "A tree round"). A model draft only. A tree.DynamicTree(width, depth): each
-      round's shape chosen by the draft, at most `width` nodes a depth placed where its own probabilities say
-      the walk will go (EAGLE-2's dynamic trees). "auto": each round a chain or a tree
-      of tree.AUTO_SHAPES (or plain decoding), picked from the running acceptance and the measured step costs
-      (tree.AdaptiveTree, carried over between calls as k="auto"'s estimates are); or an AdaptiveTree of your own.
+    k: draft tokens per round (default 4); "auto" picks each round's k from the running acceptance and the measured
+      step costs (an AdaptiveK carried over between calls: exact, but a seed's tokens vary with the timings);
+      "auto-fixed" from the acceptance and the configs alone (a seed's tokens fixed); or an AdaptiveK of your own.
+    tree: instead of k, a tree per round (a model draft only; docs/design.md, "A tree round"): (b_1, ..., b_d), up
+      to b_i children per node at depth i - 1; a tree.DynamicTree(width, depth), placed by the draft each round;
+      "auto" (or a tree.AdaptiveTree): each round a chain, a tree of tree.AUTO_SHAPES or plain decoding.
     prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, on_tokens, block_size: as in
       minispec.generate.generate (sequence i samples from seed + i; temperature 0 gives generate's tokens).
-    sampler: "exact", or the name of a deliberately broken negative control (minispec.controls describes
-      each; SAMPLERS holds every name).
+    sampler: "exact", or a deliberately broken negative control (minispec.controls; SAMPLERS holds every name).
     keep_caches: keep every sequence in both caches and return them in result.caches (for tests).
 
-    Each round is three steps of _Run: propose, verify, commit (docs/design.md, "One speculative round").
-    """
-    params = SamplingParams(temperature, top_k, top_p)
-    check_seed(seed)  # here, before the prefills: the generators are made after them
-    check_max_new_tokens(max_new_tokens)
-    check_callable("on_tokens", on_tokens, GenerationError)
-    policy = get_sampler(sampler)
-    if tree is not None:
-        if k is not _K_UNSET:
-            raise GenerationError("give k (a chain of drafts) or tree (a tree of them), not both")
-        tree = tree if tree == "auto" or isinstance(tree, (AdaptiveTree, DynamicTree)) else check_tree(tree)
-        k = None
-    elif k is _K_UNSET:
-        k = 4
-    chain_k = k in ("auto", AUTO_FIXED) if isinstance(k, str) else isinstance(k, AdaptiveK) or (is_int(k) and k >= 1)
-    if tree is None and not chain_k:
-        raise GenerationError(f"k (draft tokens per round) must be an integer >= 1, 'auto', '{AUTO_FIXED}' or an "
-                              f"AdaptiveK, got {show(k)}")
-    stats = SpeculativeStats()
-    drafter = make_drafter(target, draft, policy.draw)
-    batch, single = normalize_prompts(target, prompts)
-    adaptive = k if isinstance(k, AdaptiveK) else None  # None: a fixed k
-    auto_tree = tree if isinstance(tree, AdaptiveTree) else None  # tree="auto" and its like: a shape per round
-    check_tree_drafter(drafter, tree)
-    if auto_tree is not None or tree == "auto":
-        if auto_tree is None:
-            auto_tree = auto_k(target, draft, params, len(batch), policy.name, make=AdaptiveTree)
-        adaptive, tree = auto_tree, None  # _Run gets each round's shape; a chain's runs as a chain round
-    if k == "auto":
-        adaptive = auto_k(target, draft, params, len(batch), policy.name)
-    elif k == AUTO_FIXED:  # nothing measured or carried over: the same call gives the same k's, so the same tokens
-        adaptive = AdaptiveK(cost_ratio=fixed_cost_ratio(target, drafter))
-    stops = resolve_stop_tokens(target, stop_tokens)
-    max_len = target.config.max_seq_len
-    budgets = {i: min(max_new_tokens, max_len - len(p)) for i, p in enumerate(batch)}  # prompt + output <= max_seq_len
-    active = [i for i in range(len(batch)) if budgets[i] > 0]
-    if not active:
-        return SpeculativeResult([] if single else [[] for _ in batch], stats)
-    run = _Run(target, drafter, policy, params, batch, budgets, active, seed, stops, on_tokens, block_size,
-               keep_caches, stats, tree)
+    Each round: the schedule chooses, the drafter proposes, the target verifies, the round commits, the schedule
+    observes (minispec.schedule; docs/design.md, "One speculative round")."""
+    run = _Run(target, draft, prompts, k, tree, SamplingParams(temperature, top_k, top_p), seed, max_new_tokens,
+               stop_tokens, on_tokens, block_size, sampler, keep_caches)
     while run.active:
-        if auto_tree is not None:
-            shape = auto_tree.choose_tree()
-            run.tree, kr = (shape if any(b > 1 for b in shape) else None), len(shape)
-        else:
-            kr = adaptive.choose() if adaptive else k if tree is None else len(getattr(tree, "caps", tree))
+        plan = run.schedule.choose()
         t0 = time.perf_counter()
-        prop = run.propose(kr)
+        prop = run.propose(plan)
         t1 = time.perf_counter()
         verdict = run.verify(prop)
         run.commit(prop, verdict)
         t2 = time.perf_counter()
-        if auto_tree is not None and prop.parents is not None:  # as below: the first round's times do not count
-            widths = [math.prod(run.tree[:i]) for i in range(drafter.steps)] if stats.rounds else None
-            auto_tree.update_tree(prop.parents, verdict.paths, t1 - t0, widths, (t2 - t1) if stats.rounds else None)
-        elif adaptive is not None:  # a call's first round also prefills both models: its outcome counts, its times not
-            adaptive.update([len(d) for d in prop.drafts], verdict.accepted, t1 - t0,
-                            drafter.steps * (stats.rounds > 0), (t2 - t1) if stats.rounds else None)
-        stats.rounds += 1
-        stats.k_chosen.append(kr)
-        if tree is not None or auto_tree is not None:
-            stats.tree_chosen.append(tree if auto_tree is None else shape)
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
-    caches = (run.tgt, getattr(drafter, "rows", None)) if keep_caches else None
-    return SpeculativeResult(run.out[0] if single else run.out, stats, caches)
+        run.schedule.observe(run.outcome(plan, prop, verdict, t1 - t0, t2 - t1))  # before the round is counted
+        run.stats.record_round(plan, t1 - t0, t2 - t1)
+    return run.result()

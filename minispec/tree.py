@@ -121,6 +121,11 @@ def tree_text(tree) -> str:
     return tree if isinstance(tree, str) else str(tree) if isinstance(tree, DynamicTree) else ",".join(map(str, tree))
 
 
+def chain(n: int) -> list[int]:
+    """The parents of a chain of n drafts as a tree's: each draft follows the one before (the first, the root)."""
+    return list(range(-1, n - 1))
+
+
 def depths(parents: list[int]) -> list[int]:
     """Each node's depth (its children's: one more; the root's children: 1)."""
     out: list[int] = []

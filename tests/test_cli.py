@@ -78,14 +78,15 @@ def test_bench_spec_smoke(smol_dirs, tmp_path):
 def test_bench_merges_stats_over_prompts():
     """The spec table's acceptance and tokens per round cover every bench prompt, not the last one."""
     from minispec.speculative import SpeculativeStats
+    from minispec.tree import chain
 
     import bench
 
     a, b = SpeculativeStats(), SpeculativeStats()
-    a._count(4, 4), a._count(4, 1)
-    a.committed, a.rounds, a.k_chosen = 7, 2, [4, 4]
-    b._count(2, 0)
-    b.committed, b.rounds, b.k_chosen = 1, 1, [2]
+    a.record_row(chain(4), 4, 5), a.record_row(chain(4), 1, 2)
+    a.rounds, a.k_chosen = 2, [4, 4]
+    b.record_row(chain(2), 0, 1)
+    b.rounds, b.k_chosen = 1, [2]
     m = bench.merge_stats([a, None, b])
     assert (m.drafted, m.accepted, m.committed, m.rounds, m.sequence_rounds) == (10, 5, 8, 3, 3)
     assert m.acceptance_rate == 0.5 and m.mean_accepted == 8 / 3 and m.k_chosen == [4, 4, 2]

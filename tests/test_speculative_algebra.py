@@ -28,6 +28,7 @@ from minispec.speculative import (
     residual,
     verify,
 )
+from minispec.tree import chain
 
 from helpers import tiny_model
 
@@ -276,14 +277,17 @@ def test_auto_k_is_carried_across_calls():
 
 def test_stats():
     stats = SpeculativeStats()
-    stats._count(3, 1)
-    stats._count(2, 2)
-    stats.committed = 5
+    stats.record_row(chain(3), 1)
+    stats.record_row(chain(2), 2, 5)
     assert (stats.drafted, stats.accepted, stats.sequence_rounds) == (5, 3, 2)
     assert stats.position_drafted == [2, 2, 1] and stats.position_accepted == [2, 1, 0]
     assert stats.acceptance_rate == pytest.approx(0.6) and stats.mean_accepted == pytest.approx(2.5)
     assert stats.position_acceptance == [1.0, 0.5, 0.0]
     assert SpeculativeStats().acceptance_rate == 0.0 and SpeculativeStats().mean_accepted == 0.0
+    tree = SpeculativeStats()
+    tree.record_row([-1, -1, 0, 1, 2], 2, 3)  # five nodes, three deep; a path of two accepted
+    assert (tree.drafted, tree.accepted, tree.committed, tree.sequence_rounds) == (5, 2, 3, 1)
+    assert tree.position_drafted == [1, 1, 1] and tree.position_accepted == [1, 1, 0]
 
 
 # ---- argument checks: clear errors ----
