@@ -146,6 +146,11 @@ def threads_for(n: int | None):
         _local.threads = before
 
 
+def product_threads() -> int:
+    """The thread count a product runs at here: the step's (`threads_for`), else PyTorch's."""
+    return getattr(_local, "threads", None) or torch.get_num_threads()
+
+
 def available() -> bool:
     """Whether a compiled product loads here; the first time none does, one line on stderr says so."""
     global _told
@@ -210,7 +215,7 @@ class GgmlWeight(PackedWeight):
         m, w = x.shape[0], (self.blocks if self.repacked is None else self.repacked)
         y = torch.empty(m, n)
         scratch = torch.empty(min(m, MAX_ROWS) * x_row, dtype=torch.uint8)
-        threads = getattr(_local, "threads", None) or torch.get_num_threads()
+        threads = product_threads()
         if m <= MAX_ROWS:  # a decode step or a verify pass: one call (a step makes ~170 of them: kept short)
             matmul(type_id, w.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), scratch.data_ptr(), threads)
             return y

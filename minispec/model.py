@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ggml, kernels
+from . import fused, ggml, kernels
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
@@ -201,6 +201,7 @@ class Transformer(nn.Module):
         # products' forms do their part: minispec.quantized.make_rows_alike sets this for a kept model)
         self.rows_alike = False
         self.ggml_products = False  # some matrices multiplied by ggml's kernels (quantized.install sets it)
+        self._fused: fused.Blocks | None | bool = False  # the blocks as one compiled call, built at the first pass
         self.apply(self._init_weights)
         self.init_rope()
         if device is not None or dtype is not None:
@@ -290,6 +291,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, dim)
         # read_slots: (B, L), and L is past every position
         cos, sin = self._rope(positions, None if meta is None else meta.read_slots.shape[1])
+        if kv is not None and self.rows_alike and kernels.enabled():
+            if self._fused is False:  # a kept model's blocks are final by its first pass (minispec.fused)
+                self._fused = fused.Blocks.build(self)
+            if self._fused is not None and self._fused.takes(x, kv):
+                return self.norm(self._fused.run(x, cos, sin, kv, meta, ggml.product_threads()), self.rows_alike)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if kv is None else kv[i], meta, self.rows_alike)
         return self.norm(x, self.rows_alike)

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "ms_pool.h"
+#include "ms_layer.h"
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"

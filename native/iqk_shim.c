@@ -16,6 +16,7 @@
 
 #include "ggml.h"
 #include "ms_pool.h"
+#include "ms_layer.h"
 
 // ik_llama.cpp's entry point (ggml/src/iqk/iqk_mul_mat.h, extern "C", linked from the static ggml): C (Ny, Nx) =
 // B (Ny rows of typeB) times A (Nx rows of typeA) transposed, the part of the weight rows thread ith of nth takes
