@@ -14,10 +14,9 @@ from unittest import mock
 
 import pytest
 import torch
+from test_quantized import batch_against_alone, kept_dir  # noqa: F401 - kept_dir is a fixture
 
 from minispec import Transformer, fused, ggml, kernels
-
-from test_quantized import batch_against_alone, kept_dir  # noqa: F401 - kept_dir is a fixture
 
 pytest.importorskip("gguf")
 
