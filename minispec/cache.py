@@ -1,23 +1,23 @@
-"""Paged KV cache: a block pool, per-sequence block tables, rollback and fork, token trees.
+"""Paged KV cache: a block pool, per-sequence block tables, rollback and fork.
 
 After vLLM's PagedAttention and nano-vllm's block manager. `BlockAllocator` is plain Python (a free
 list and reference counts); `PagedKVCache` owns the tensors: one pool per layer holding K and V side
 by side (one write and one gather per layer and step), and each sequence's block table and length.
 The pool is fixed (`num_blocks`, or what `memory_bytes` holds) or, given neither, grows on demand by
-doubling (up to `max_blocks`). A sequence's tokens form a chain, except during a tree round: tokens appended
-with parents (`prepare(..., parents=...)`) attend to their ancestors only, at positions by depth, until
-`keep_path` keeps one root-to-leaf path and drops the rest. Slot layout, copy-on-write, rollback, trees,
-invariants: docs/design.md.
+doubling (up to `max_blocks`). What a forward pass reads and writes (`passes.prepare`) and the token trees of
+a tree round (`passes.TokenTrees`, `passes.keep_path`) live in minispec.passes; the cache holds a
+`TokenTrees` beside its block tables only so that fork, free and truncate keep the two in step. Slot layout,
+copy-on-write, rollback, invariants: docs/design.md.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from .errors import check_int
+from .passes import AttentionMetadata, TokenTrees, prepare
 
 MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
 
@@ -70,35 +70,6 @@ class BlockAllocator:
             self.free_ids.append(block)
 
 
-@dataclass
-class AttentionMetadata:
-    """Where a forward pass reads and writes K/V. Built once per forward, passed to every layer.
-
-    B sequences, each with n_b new tokens, right-padded to T = max n_b."""
-
-    positions: torch.Tensor  # (B, T) absolute position of each new token (padding: 0)
-    write_slots: torch.Tensor  # (N,) pool slot of each valid new token, in (b, t) row-major order
-    valid: torch.Tensor  # (B, T) bool: which new-token entries are real (not padding)
-    read_slots: torch.Tensor  # (B, L) pool slots of each sequence's whole context, L = max context length
-    read_range: tuple[int, int] | None  # (first, end): one sequence whose slots are consecutive (read as a view)
-    mask: torch.Tensor | None  # (B, 1, T, L) bool: query t may attend key j (causal and within the length);
-    # None when every query may attend every key it reads (one new token per sequence, equal lengths)
-    # a pass with tree tokens: keys[b][t] = the indices of the keys row t of sequence b attends (its context and
-    # its ancestors, in order) for a tree token, None for a chain token; None when the pass has no tree token
-    keys: list[list[torch.Tensor | None]] | None = None
-
-    def row_ends(self) -> list[list]:
-        """The keys each query row attends, made once a pass: a count n (the first n: a chain token's position + 1;
-        0 for padding) or, for a tree token, the indices of its keys (`keys`)."""
-        if not hasattr(self, "_row_ends"):
-            self._row_ends = torch.where(self.valid, self.positions + 1, 0).tolist()
-            for b, row in enumerate(self.keys or []):
-                for t, k in enumerate(row):
-                    if k is not None:
-                        self._row_ends[b][t] = k
-        return self._row_ends
-
-
 class PagedKVCache:
     """K/V pools for every layer, and the block tables of the sequences that use them."""
 
@@ -128,9 +99,7 @@ class PagedKVCache:
                               device=device)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        # seq -> {token index: its parent's index} for the tokens of a tree round, from the first one appended with
-        # parents to the sequence's end; a token not listed follows the one before it (a chain)
-        self.parents: dict[int, dict[int, int]] = {}
+        self.trees = TokenTrees()  # the tree tokens of each sequence, kept in step by fork, free and truncate
         self._ids = itertools.count()
 
     @property
@@ -168,52 +137,14 @@ class PagedKVCache:
         child = self.new_sequence()
         self.tables[child] = [self.allocator.share(b) for b in self.tables[seq]]
         self.lengths[child] = self.lengths[seq]
-        if seq in self.parents:
-            self.parents[child] = dict(self.parents[seq])
+        self.trees.fork(seq, child)
         return child
 
     def free(self, seq: int) -> None:
         for b in self.tables.pop(seq):
             self.allocator.free(b)
         del self.lengths[seq]
-        self.parents.pop(seq, None)
-
-    def ancestry(self, seq: int, i: int) -> tuple[int, list[int]]:
-        """The tokens token i of `seq` attends, as (n, tail): tokens 0..n-1 (its chain of ancestors) then the tree
-        tokens `tail` (its ancestors after them and itself, root first). Its position is n + len(tail) - 1."""
-        par, tail = self.parents.get(seq, {}), []
-        while i in par:
-            tail.append(i)
-            i = par[i]
-        return i + 1, tail[::-1]
-
-    def path_moves(self, seq: int, start: int, keep: list[int]) -> list[tuple[int, int]]:
-        """The (from, to) slot copies that `keep_path(seq, start, keep)` makes, after checking that `keep` is a
-        path: ascending indices from `start` on, each one's parent the one before (the first's: token start - 1),
-        with every token before `start` in a chain. Plain bookkeeping: no tensor is read or written."""
-        par, length = self.parents.get(seq, {}), self.lengths[seq]
-        if not 1 <= start <= length or any(par.get(i, i - 1) != i - 1 for i in range(start)):
-            raise ValueError(f"keep_path: tokens before {start} of sequence {seq} (length {length}) must be a chain")
-        for before, i in zip([start - 1, *keep], keep):
-            if not before < i < length or par.get(i, i - 1) != before:
-                raise ValueError(f"keep_path: {keep} is not a path from token {start - 1} of sequence {seq}")
-        slots = self.slots(seq)
-        return [(slots[i], slots[start + j]) for j, i in enumerate(keep) if i != start + j]
-
-    @torch.inference_mode()  # the pool may have been made or grown in a model pass: an inference tensor
-    def keep_path(self, seq: int, start: int, keep: list[int]) -> None:
-        """A tree round's end: the tokens at indices `keep` (a path, see path_moves) become tokens start,
-        start + 1, ... with their K/V (computed at the positions they now have), and every other token from
-        `start` on is dropped. The sequence is a chain again."""
-        self.path_moves(seq, start, keep)  # checked before anything changes
-        for idx in range(start // self.block_size, self.blocks_for(start + len(keep))):
-            self._own_block(seq, idx)  # the blocks written to must be this sequence's alone
-        moves = self.path_moves(seq, start, keep)
-        if moves:  # advanced indexing reads every source before it writes: overlapping moves are safe
-            src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*moves))
-            self.kv[:, dst] = self.kv[:, src]
-        self.parents.pop(seq, None)
-        self.truncate(seq, start + len(keep))
+        self.trees.drop(seq)
 
     def truncate(self, seq: int, new_len: int) -> None:
         """Roll `seq` back to its first `new_len` tokens; tail blocks return to the pool."""
@@ -225,12 +156,18 @@ class PagedKVCache:
             self.allocator.free(b)
         del table[keep:]
         self.lengths[seq] = new_len
-        par = self.parents.get(seq)
-        if par is not None:
-            for i in [i for i in par if i >= new_len]:
-                del par[i]
-            if not par:
-                del self.parents[seq]
+        self.trees.truncate(seq, new_len)
+
+    @torch.inference_mode()  # the pool may have been made or grown in a model pass: an inference tensor
+    def move_tokens(self, seq: int, moves: list[tuple[int, int]], first: int, end: int) -> None:
+        """Copy the K/V of token `from` of `seq` to token `to`, for each (from, to) in moves, after making the blocks
+        of its tokens first..end-1 its own (copy-on-write: the tokens written to must be this sequence's alone)."""
+        for idx in range(first // self.block_size, self.blocks_for(end)):
+            self._own_block(seq, idx)
+        if moves:  # advanced indexing reads every source before it writes: overlapping moves are safe
+            slots = self.slots(seq)
+            src, dst = (torch.tensor([slots[i] for i in x], dtype=torch.long, device=self.device) for x in zip(*moves))
+            self.kv[:, dst] = self.kv[:, src]
 
     def _own_block(self, seq: int, idx: int) -> None:
         """Copy-on-write: make block table[idx] of `seq` its own (a copy, if another sequence shares it)."""
@@ -304,59 +241,8 @@ class PagedKVCache:
 
     def prepare(self, seqs: list[int], n_new: list[int], parents: list[list[int] | None] | None = None
                 ) -> AttentionMetadata:
-        """Reserve room for the new tokens and build the metadata for one forward pass.
-
-        parents[b] (a tree round): for each new token of seqs[b], the index in the sequence of the token it
-        follows (an earlier one); None, or no parents at all: each follows the token before it."""
-        starts = [self.lengths[s] for s in seqs]
-        for b, s in enumerate(seqs):
-            par = None if parents is None else parents[b]
-            i0 = starts[b]
-            if par is not None and (len(par) != n_new[b] or any(not (x == i0 + t - 1 or 0 <= x < i0 + t)
-                                                                for t, x in enumerate(par))):
-                raise ValueError(f"parents of sequence {s}: {n_new[b]} indices, each of an earlier token; got {par}")
-        new_slots = self.reserve(seqs, n_new)
-        for b, s in enumerate(seqs):  # a tree's tokens, and a chain's appended after them, get their parents noted
-            par = None if parents is None else parents[b]
-            if par is not None or s in self.parents:
-                self.parents.setdefault(s, {}).update(
-                    (starts[b] + t, starts[b] + t - 1 if par is None else par[t]) for t in range(n_new[b]))
-        ctx = [st + n for st, n in zip(starts, n_new)]  # each sequence's context length after the step
-        B, T, L, dev = len(seqs), max(n_new), max(ctx), self.device
-        positions = torch.zeros(B, T, dtype=torch.long)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        read = torch.zeros(B, L, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            positions[b, :n_new[b]] = torch.arange(starts[b], ctx[b])
-            valid[b, :n_new[b]] = True
-            read[b, :ctx[b]] = torch.tensor(self.slots(s), dtype=torch.long)
-        write = torch.tensor([x for sl in new_slots for x in sl], dtype=torch.long)
-        trees = [b for b, s in enumerate(seqs) if s in self.parents]
-        keys = [[None] * T for _ in seqs] if trees else None
-        for b in trees:  # a tree token sits at the position of its depth and attends its ancestors only
-            for t in range(n_new[b]):
-                n, tail = self.ancestry(seqs[b], starts[b] + t)
-                if tail != list(range(n, n + len(tail))):  # (else its ancestors are the tokens before it: a chain)
-                    keys[b][t] = torch.cat((torch.arange(n), torch.tensor(tail, dtype=torch.long)))
-                    positions[b, t] = n + len(tail) - 1
-        mask = None
-        if T > 1 or min(ctx) < L or trees:
-            key_pos = torch.arange(L)
-            # key j is visible to the query at absolute position p iff j <= p (the context is causal)
-            mask = key_pos.view(1, 1, 1, L) <= positions.view(B, 1, T, 1)
-            for b in trees:
-                for t, k in enumerate(keys[b]):
-                    if k is not None:
-                        mask[b, 0, t] = False
-                        mask[b, 0, t, k] = True
-            # padding queries see key 0 only, so softmax stays finite; their outputs are discarded
-            mask = (mask | (~valid).view(B, 1, T, 1) & (key_pos == 0).view(1, 1, 1, L)).to(dev)
-        read_range = None
-        if B == 1 and int(read[0, -1]) - int(read[0, 0]) == L - 1 and (L == 1 or bool((read[0].diff() == 1).all())):
-            read_range = (int(read[0, 0]), int(read[0, 0]) + L)
-        if keys is not None:
-            keys = [[None if k is None else k.to(dev) for k in row] for row in keys]
-        return AttentionMetadata(positions.to(dev), write.to(dev), valid.to(dev), read.to(dev), read_range, mask, keys)
+        """passes.prepare on this cache: the model's steps ask the cache they are handed for a pass's metadata."""
+        return prepare(self, seqs, n_new, parents)
 
     def check_consistency(self) -> None:
         """Assert that the refcounts equal the block-table references (used by the tests)."""
@@ -370,6 +256,4 @@ class PagedKVCache:
         assert len(free) == len(self.allocator.free_ids), "a block is on the free list twice"
         unreferenced = {b for b in range(self.num_blocks) if counts[b] == 0}
         assert free == unreferenced, "free list differs from unreferenced blocks"
-        for s, par in self.parents.items():
-            assert par and all(-1 <= p < i < self.lengths[s] for i, p in par.items()), f"sequence {s}: bad parents"
-            assert set(par) == set(range(min(par), self.lengths[s])), f"sequence {s}: a tree's tail is not whole"
+        self.trees.check(self.lengths)

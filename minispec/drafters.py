@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import GenerationError, check_compatible, check_int
+from .passes import keep_path
 from .sampling import SamplingParams, logits_to_probs, sample_rows
 from .tree import AdaptiveTree, allocate, draw_children, fitting, top_children, tree_text
 
@@ -82,7 +83,7 @@ class CachedRows:
     def commit(self, row: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         """The round committed new_tokens: keep the fed tokens that agree with them, roll back the rest. path (a
         tree round): the accepted nodes, indices into the tokens fed this round; the cache keeps those it was fed
-        (PagedKVCache.keep_path) and drops their siblings first."""
+        (passes.keep_path) and drops their siblings first."""
         fed = self.fed.pop(row, None)
         if fed is None:  # not fed this round: everything committed is still to be fed
             self.pending[row] += new_tokens
@@ -91,7 +92,7 @@ class CachedRows:
             s = self.seq[row]
             root = self.cache.length(s) - len(fed) - 1
             kept = [j for j in path if j < len(fed)]  # a prefix of the path: a draft is never fed its last depth
-            self.cache.keep_path(s, root + 1, [root + 1 + j for j in kept])
+            keep_path(self.cache, s, root + 1, [root + 1 + j for j in kept])
             fed = [fed[j] for j in kept]
         keep = 0
         while keep < min(len(fed), len(new_tokens) - 1) and fed[keep] == new_tokens[keep]:

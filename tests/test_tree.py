@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from minispec import PagedKVCache
 from minispec.errors import GenerationError
+from minispec.passes import keep_path
 from minispec.speculative import greedy_tree_verify, residual, tree_verify, verify
 from minispec.tree import check_tree, draw_children, tree_size
 
@@ -43,14 +44,14 @@ def test_tree_tokens_attend_their_ancestors_at_the_positions_of_their_depth():
     append(c, s, [0, 1, 2])
     # a tree under token 2: a (3) and b (4) its children, c (5) under a, d (6) under b
     append(c, s, [3, 4, 5, 6], parents=[2, 2, 3, 4])
-    assert c.ancestry(s, 1) == (2, [])  # a chain token: tokens 0..1
-    assert c.ancestry(s, 4) == (3, [4])
-    assert c.ancestry(s, 6) == (3, [4, 6])  # not 3 or 5: a sibling's subtree is invisible
+    assert c.trees.ancestry(s, 1) == (2, [])  # a chain token: tokens 0..1
+    assert c.trees.ancestry(s, 4) == (3, [4])
+    assert c.trees.ancestry(s, 6) == (3, [4, 6])  # not 3 or 5: a sibling's subtree is invisible
     c.check_consistency()
     c.truncate(s, 5)
-    assert c.parents[s] == {3: 2, 4: 2}
+    assert c.trees.parents[s] == {3: 2, 4: 2}
     c.truncate(s, 3)
-    assert s not in c.parents  # a chain again
+    assert s not in c.trees  # a chain again
     c.check_consistency()
 
 
@@ -74,15 +75,15 @@ def test_path_moves_are_plain_bookkeeping():
     s = c.new_sequence()
     c.prepare([s], [3])
     c.prepare([s], [4], [[2, 2, 3, 4]])  # tokens 3, 4 under 2; 5 under 3; 6 under 4
-    slots = c.slots(s)
-    assert c.path_moves(s, 3, [4, 6]) == [(slots[4], slots[3]), (slots[6], slots[4])]
-    assert c.path_moves(s, 3, [3, 5]) == [(slots[5], slots[4])]  # the first stays where it is
-    assert c.path_moves(s, 3, []) == []
+    n = c.length(s)
+    assert c.trees.path_moves(s, 3, [4, 6], n) == [(4, 3), (6, 4)]
+    assert c.trees.path_moves(s, 3, [3, 5], n) == [(5, 4)]  # the first stays where it is
+    assert c.trees.path_moves(s, 3, [], n) == []
     for bad in ([5], [4, 5], [3, 6], [6, 4]):
         with pytest.raises(ValueError, match="not a path"):
-            c.path_moves(s, 3, bad)
+            c.trees.path_moves(s, 3, bad, n)
     with pytest.raises(ValueError, match="must be a chain"):
-        c.path_moves(s, 5, [6])
+        c.trees.path_moves(s, 5, [6], n)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 16])
@@ -92,8 +93,8 @@ def test_keep_path_keeps_the_path_and_drops_the_rest(block_size):
     append(c, s, [10, 11, 12])
     other = c.fork(s)  # shares the prefix's blocks: keep_path must not write into them
     append(c, s, [20, 21, 22, 23, 24], parents=[2, 2, 3, 4, 6])  # a chain of 20, 22 and two trees under 21
-    c.keep_path(s, 3, [4, 6, 7])
-    assert read(c, s) == [10, 11, 12, 21, 23, 24] and s not in c.parents
+    keep_path(c, s, 3, [4, 6, 7])
+    assert read(c, s) == [10, 11, 12, 21, 23, 24] and s not in c.trees
     assert read(c, other) == [10, 11, 12]
     c.check_consistency()
     append(c, s, [30])  # a chain again: appends where the path ends
@@ -120,7 +121,7 @@ def test_keep_path_on_random_trees_beside_forks(data, block_size, prefix, n):
     while node >= prefix:
         path.append(node)
         node = parents[node - prefix]
-    c.keep_path(s, prefix, path[::-1])
+    keep_path(c, s, prefix, path[::-1])
     assert read(c, s) == [float(i) for i in range(prefix)] + [100.0 + i - prefix for i in path[::-1]]
     c.check_consistency()
     if fork is not None:
@@ -283,7 +284,7 @@ def test_caches_hold_exactly_the_committed_tokens_after_tree_rounds(models):
                            keep_caches=True, stop_tokens=[])
     for rows, model in zip(res.caches, (target, draft)):
         rows.cache.check_consistency()
-        assert not rows.cache.parents  # every tree compacted to its path
+        assert not rows.cache.trees  # every tree compacted to its path
         for i, p in enumerate(prompts):
             committed = p + res.tokens[i]
             s = rows.seq[i]
@@ -422,7 +423,7 @@ def test_greedy_tree_auto_equals_generate(models):
         assert mixed.tokens == want and mixed.stats.tree_chosen == (MIXED * 30)[:len(mixed.stats.tree_chosen)]
         for rows in mixed.caches:
             rows.cache.check_consistency()
-            assert not rows.cache.parents
+            assert not rows.cache.trees
 
 
 def test_tree_auto_errors(models):
@@ -504,4 +505,4 @@ def test_a_dynamic_tree_keeps_its_width_and_caches(models, monkeypatch):
     assert any(len(set(par[3:6])) < len(par[3:6]) for par in seen)
     for rows in res.caches:
         rows.cache.check_consistency()
-        assert not rows.cache.parents
+        assert not rows.cache.trees
