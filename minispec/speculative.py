@@ -193,12 +193,12 @@ def greedy_tree_verify(draft_tokens: list[int], parents: list[int], top: list[in
 
 
 class ExactSampler:
-    """The exact algorithm as three steps, so a negative control can replace exactly one of them.
+    """The exact algorithm as its steps, so a negative control can replace exactly one of them.
 
     draw (a model draft's logits -> tokens and the q it reports), target_probs (the target's logits -> the p
     verify is handed), verify (one row at temperature > 0), greedy_verify (a batch at temperature 0),
-    tree_verify (a tree round's walk, one row at temperature > 0). minispec.controls registers the broken ones in
-    SAMPLERS.
+    tree_verify (a tree round's walk, one row at temperature > 0); `decide` is the one caller of the last four.
+    minispec.controls registers the broken ones in SAMPLERS.
     """
 
     name = "exact"
