@@ -11,7 +11,7 @@ from test_openai_engine import PARAMS, PROMPTS, Stub, T
 
 from minispec.equivalence import audit_samples, read_samples
 from minispec.equivalence.http import ServerError
-from minispec.equivalence.openai import Drawing, Endpoint, metrics_delta, parse_metrics
+from minispec.equivalence.openai import Drawing, Endpoint, metrics_delta, parse_completion, parse_metrics
 from minispec.equivalence.two_sample import audit, compare
 
 from helpers import equivalence_cli as main
@@ -56,7 +56,13 @@ def test_parse_metrics_sums_the_models_counters_and_reads_nothing_else():
     assert parse_metrics(VLLM, None, "srv")["drafted"] == 5200
     bare = "vllm:spec_decode_num_draft_tokens 7\nvllm:spec_decode_num_accepted_tokens 3 1718600000000\n"
     assert parse_metrics(bare, "m", "srv") == {"drafted": 7, "accepted": 3}
-    assert parse_metrics("# no counters\nvllm:num_requests_running 1.0\n", "m", "srv") is None
+    # a vLLM page without the counters: vLLM registers them only when it speculates, so it drafted nothing
+    assert parse_metrics("# no counters\nvllm:num_requests_running 1.0\n", "m", "srv") == {"drafted": 0,
+                                                                                           "accepted": 0}
+    assert parse_metrics('vllm:num_requests_running{model_name="m"} 1.0\n', "m", "srv") == {"drafted": 0,
+                                                                                           "accepted": 0}
+    assert parse_metrics('vllm:num_requests_running{model_name="other"} 1.0\n', "m", "srv") is None
+    assert parse_metrics("# HELP vllm:num_requests_running x\n", "m", "srv") is None
     assert parse_metrics("<html>not found</html>", "m", "srv") is None
 
 
@@ -115,10 +121,26 @@ def test_a_server_that_drafts_nothing_says_so_in_the_verdict(stubs):
 @pytest.mark.parametrize("shape, metrics", [("vllm", None), ("vllm", "# HELP vllm:num_requests_running x\n"),
                                             ("sglang", "vllm")])
 def test_no_counters_is_null(stubs, shape, metrics):
-    # no /metrics (404), a /metrics without spec-decode counters (vLLM with no draft), and SGLang (its own counts)
+    # no /metrics (404), a /metrics with no vLLM sample (only a comment), and SGLang (its own counts)
     stub = stubs(shape, "exact", metrics)
     d = drawing(stub, 20).run()
     assert (d.drafted is None) == (shape == "vllm")
+
+
+def test_a_vllm_without_speculation_is_named_as_drafting_nothing(stubs):
+    """vLLM serving without a speculative config has a /metrics page but no spec-decode counters."""
+    stub = stubs("vllm", "plain", 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n')
+    r = audit_samples(stub.target, drawing(stub, 40), reference=False, **FAST)
+    assert r.to_dict()["drafted"] == 0 and "no tokens were drafted" in r.verdict
+
+
+def test_llama_cpp_timings_without_draft_n_drafted_nothing():
+    """llama-server writes timings.draft_n only for a request that drafted (tools/server/server-common.cpp)."""
+    resp = {"choices": [{"logprobs": {"content": [{"id": 3}, {"id": 4}]}, "finish_reason": "length"}],
+            "timings": {"predicted_n": 2}}
+    assert parse_completion(resp, 2, 10, None, "srv") == ([3, 4], 0, 0)
+    del resp["timings"]
+    assert parse_completion(resp, 2, 10, None, "srv") == ([3, 4], None, None)  # tells nothing
 
 
 @pytest.mark.parametrize("metrics, match", [

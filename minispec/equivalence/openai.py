@@ -289,9 +289,9 @@ def parse_completion(resp, tokens: int, vocab_size: int, model: str | None, wher
         raise ServerError(f"{where} reported {n} completion tokens, {tokens} were asked for")
     timings = resp.get("timings")
     drafted = accepted = None
-    if isinstance(timings, dict):  # llama.cpp's per-request timings
-        drafted = _count(timings.get("draft_n"), "timings.draft_n", where)
-        accepted = _count(timings.get("draft_n_accepted"), "timings.draft_n_accepted", where)
+    if isinstance(timings, dict):  # llama.cpp's per-request timings: draft_n only where it drafted (server-common.cpp)
+        drafted = _count(timings.get("draft_n", 0), "timings.draft_n", where)
+        accepted = _count(timings.get("draft_n_accepted", 0), "timings.draft_n_accepted", where)
     return ids, *_drafts(drafted, accepted, "timings.draft_n_accepted of timings.draft_n", where)
 
 
@@ -347,16 +347,29 @@ def _labels(text: str | None, line: str, where: str) -> dict:
     return out
 
 
+def _escaped(value: str) -> str:
+    """A label value as Prometheus' text format writes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def parse_metrics(text: str, model: str | None, where: str) -> dict | None:
     """{"drafted": n, "accepted": n} summed over the label sets of `model` (a sample without a model_name label
-    counts), from Prometheus text; None when neither counter is there. Lines of other metrics are not read; a
+    counts), from Prometheus text. A vLLM page (samples of `vllm:` metrics for the model) without the spec-decode
+    counters is a vLLM serving without speculation, which registers no such counters: {"drafted": 0, "accepted":
+    0}. None when the page is not vLLM's. Lines of other metrics are only looked at for their name and model; a
     counter line that cannot be read, a value that is not a count, a label set given twice, or one counter
     without the other is ServerError."""
     names = {n: key for key, pair in METRICS.items() for n in pair}
     found: dict = {}  # metric name -> {label set: value}
+    mine = None if model is None else f'model_name="{_escaped(model)}"'
+    vllm_page = False  # a sample of a vllm: metric for this model (or without a model_name label)
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#") or line.split("{", 1)[0].split()[0] not in names:
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("vllm:") and (mine is None or mine in line or "model_name=" not in line):
+            vllm_page = True
+        if line.split("{", 1)[0].split()[0] not in names:
             continue
         m = _SAMPLE.fullmatch(line)
         if m is None:
@@ -380,7 +393,7 @@ def parse_metrics(text: str, model: str | None, where: str) -> dict | None:
         values = found.get(total, found.get(bare))
         out[key] = None if values is None else sum(values.values())
     if out["drafted"] is None and out["accepted"] is None:
-        return None
+        return {"drafted": 0, "accepted": 0} if vllm_page else None
     if None in out.values():
         raise ServerError(f"{where}: /metrics gives {'drafted' if out['accepted'] is None else 'accepted'} draft "
                           "tokens but not the other count")
