@@ -1,8 +1,9 @@
 """Rows against a decode step, minispec beside its peers on the same file: the kept 1.5B's decode step, its passes
 of 5 and 9 rows (a verify pass of 4 and 8 drafts, every row's logits) and a 64-token prefill, for each product
-built (ik_llama.cpp's row-tiled one and llama.cpp's), interleaved round by round with llama-bench's tg32 / pp5 /
-pp9 / pp64 from llama.cpp mainline and from ik_llama.cpp (plain and with -rtr 1, its row-interleaved forms);
-medians, in ms a pass, and each engine's passes in its own decode steps.
+built (ik_llama.cpp's row-tiled one and llama.cpp's; ik's also with the blocks in PyTorch, minispec.fused off),
+interleaved round by round with llama-bench's tg32 / pp5 / pp9 / pp64 from llama.cpp mainline and from
+ik_llama.cpp (plain and with -rtr 1, its row-interleaved forms); medians, in ms a pass, and each engine's passes
+in its own decode steps.
 
     python tools/bench_rows.py [--rounds 4] [--threads 2]
 
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MINISPEC_PRODUCT"] = product
         models[f"minispec {product}"] = Transformer.from_pretrained(TARGET)
     del os.environ["MINISPEC_PRODUCT"]
+    # the same model with its blocks in PyTorch, one call a product (minispec.fused off): what the compiled blocks save
+    models["minispec iqk, PyTorch blocks"] = models["minispec iqk"]
     prompt = models["minispec iqk"].tokenizer.encode(PROMPT)[:80]
     peers = {}
     if (d := llama_cpp.bin_dir()) and (d / "llama-bench").is_file():
@@ -89,21 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for name, model in models.items():
+            model._fused = None if name.endswith("PyTorch blocks") else False  # False: built at the next pass
             for test, ms in minispec_passes(model, prompt).items():
                 res.setdefault(name, {}).setdefault(test, []).append(ms)
+            model._fused = False
         for name, (binary, extra) in peers.items():
             for test, ms in llama_bench(binary, args.threads, extra).items():
                 res.setdefault(name, {}).setdefault("tg" if test == "tg32" else
                                                     {"pp5": "5 rows", "pp9": "9 rows"}.get(test, test), []).append(ms)
     print(f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{args.threads} threads, {args.rounds} rounds; medians, ms a pass (in that engine's decode steps)")
-    print(f"{'engine':22s} {'decode step':>12s} {'5 rows':>16s} {'9 rows':>16s} {'prefill 64':>18s}")
+    print(f"{'engine':30s} {'decode step':>12s} {'5 rows':>16s} {'9 rows':>16s} {'prefill 64':>18s}")
     for name, tests in res.items():
         step = statistics.median(tests["tg"])
         cells = [f"{statistics.median(tests[t]):7.1f} ({statistics.median(tests[t]) / step:4.2f})"
                  for t in ("5 rows", "9 rows")]
         pp = statistics.median(tests["pp64"])
-        print(f"{name:22s} {step:12.1f} {cells[0]:>16s} {cells[1]:>16s} {pp:8.0f} ({64e3 / pp:5.1f} tok/s)")
+        print(f"{name:30s} {step:12.1f} {cells[0]:>16s} {cells[1]:>16s} {pp:8.0f} ({64e3 / pp:5.1f} tok/s)")
     return 0
 
 
