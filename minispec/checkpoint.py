@@ -169,15 +169,8 @@ def limit_to_tokenizer(cfg: ModelConfig, tokenizer) -> ModelConfig:
     return cfg
 
 
-def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, int4: bool | None = None):
-    """A checkpoint directory as a model on `device` (default the CPU), in `dtype` (default as stored).
-    int4: the products in int4 (Transformer.to_int4), True or False; None = as config.json's int4 says, on a CPU
-    with the kernel (elsewhere the stored dtype). An int4 model computes its activations in fp32.
-
-    A checkpoint that keeps a GGUF's quantization (minispec.quantized) computes in that form on a CPU with the
-    kernels (int4 None or True, dtype None or float32); otherwise (another device, int4=False, another dtype)
-    its weights are dequantized to `dtype` (default float32)."""
-    path = Path(path)
+def _check_directory(path: Path) -> None:
+    """A checkpoint directory that exists, an interrupted save into it completed first."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory (config.json, model.safetensors, ...)")
     if not path.is_dir():
@@ -187,10 +180,11 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
     except OSError as e:  # a read-only copy: the interrupted save cannot be completed from here
         raise CheckpointError(f"{path}: a save into it was interrupted and cannot be completed ({e}); its files may "
                               "mix two checkpoints: save it again") from None
-    cfg = ModelConfig.load(str(path / CONFIG_NAME))
-    wfile = path / WEIGHTS_NAME
-    if not wfile.is_file():
-        raise CheckpointError(f"{path}: no {WEIGHTS_NAME}")
+
+
+def _read_weights(cls, cfg: ModelConfig, wfile: Path) -> tuple[dict, dict, dict]:
+    """The weights file's tensors checked against the config: (each tensor's dtype, the kept matrices
+    (quantized.split_kept), every tensor but a kept matrix's parts), a CheckpointError naming the file else."""
     try:
         with safe_open(str(wfile), framework="pt") as f:
             names = list(f.keys())
@@ -199,9 +193,9 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
             shapes, kept = quantized.split_kept(shapes, dtypes, str(wfile))  # a kept matrix under its own name
             check_state_dict(shapes, expected_tensors(cls, cfg, shapes, str(wfile)), str(wfile))
             check_dtypes({n: dt for n, dt in dtypes.items() if n in shapes}, str(wfile))
-            # a kept matrix's parts are read when it is packed (below), one matrix at a time, not all at once here
+            # a kept matrix's parts are read when it is packed (load_pretrained), one matrix at a time, not here
             parts = quantized.part_names(kept)
-            state = {n: f.get_tensor(n) for n in names if n not in parts}
+            return dtypes, kept, {n: f.get_tensor(n) for n in names if n not in parts}
     except CheckpointError:
         raise
     except quantized.QuantizedCheckpointError as e:
@@ -209,6 +203,23 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
     except Exception as e:  # truncated or corrupt file: safetensors' own error, with the file named
         raise CheckpointError(f"{wfile} cannot be read as safetensors ({type(e).__name__}: {e}); "
                               "the file may be truncated or corrupt: re-create or re-download it") from None
+
+
+def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, int4: bool | None = None):
+    """A checkpoint directory as a model on `device` (default the CPU), in `dtype` (default as stored).
+    int4: the products in int4 (Transformer.to_int4), True or False; None = as config.json's int4 says, on a CPU
+    with the kernel (elsewhere the stored dtype). An int4 model computes its activations in fp32.
+
+    A checkpoint that keeps a GGUF's quantization (minispec.quantized) computes in that form on a CPU with the
+    kernels (int4 None or True, dtype None or float32); otherwise (another device, int4=False, another dtype)
+    its weights are dequantized to `dtype` (default float32)."""
+    path = Path(path)
+    _check_directory(path)
+    cfg = ModelConfig.load(str(path / CONFIG_NAME))
+    wfile = path / WEIGHTS_NAME
+    if not wfile.is_file():
+        raise CheckpointError(f"{path}: no {WEIGHTS_NAME}")
+    dtypes, kept, state = _read_weights(cls, cfg, wfile)
     if "head_ids" in state:
         check_head_ids(state["head_ids"], cfg.vocab_size, str(wfile))
     tokenizer = load_tokenizer(path)

@@ -200,16 +200,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.k = "auto"
     device = _device(args.device)
     target = load_target(args.target, device, args.dtype)
-    tok = target.tokenizer
-    if tok is None:
-        raise CLIError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); generate needs one")
-    if args.chat:
-        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        ids = tok.encode(args.prompt)
-    if not ids:
-        raise CLIError("the prompt encodes to no tokens and this tokenizer adds no bos; give a non-empty --prompt")
-
+    tok, ids = _encode_prompt(args, target)
     draft = None
     if args.draft == PROMPT_LOOKUP:
         draft = PROMPT_LOOKUP
@@ -238,20 +229,37 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     summary = (f"{len(new)} tokens in {elapsed:.2f} s: {len(new) / max(elapsed, 1e-9):.1f} tokens/s "
                f"(prompt {len(ids)} tokens, prefill included)")
-    if stats is not None:
-        mean_k = sum(stats.k_chosen) / max(len(stats.k_chosen), 1)
-        k = args.k if isinstance(args.k, int) else f"{args.k} (mean {mean_k:.1f})"
-        if args.tree is not None:
-            shapes = [sh for sh in stats.tree_chosen if sh]
-            most = max(set(shapes), key=shapes.count, default=None)
-            k = f"tree={tree_text(args.tree)}" + (f" (most chosen {tree_text(most) if most else 'plain'})"
-                                                   if args.tree == "auto" else "")
-        else:
-            k = f"k={k}"
-        summary += (f"; speculation {k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
-                    f"{stats.mean_accepted:.2f} tokens per round")
-    print(summary, file=sys.stderr)
+    print(summary + ("" if stats is None else _speculation_summary(args, stats)), file=sys.stderr)
     return 0
+
+
+def _encode_prompt(args: argparse.Namespace, target: Transformer) -> tuple:
+    """The target's tokenizer and the prompt's token ids (--chat: as the user's turn of its chat template)."""
+    tok = target.tokenizer
+    if tok is None:
+        raise CLIError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer.model); generate needs one")
+    if args.chat:
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok.encode(args.prompt)
+    if not ids:
+        raise CLIError("the prompt encodes to no tokens and this tokenizer adds no bos; give a non-empty --prompt")
+    return tok, ids
+
+
+def _speculation_summary(args: argparse.Namespace, stats) -> str:
+    """generate's summary of the speculation: k (or the tree), rounds, acceptance, tokens per round."""
+    mean_k = sum(stats.k_chosen) / max(len(stats.k_chosen), 1)
+    k = args.k if isinstance(args.k, int) else f"{args.k} (mean {mean_k:.1f})"
+    if args.tree is not None:
+        shapes = [sh for sh in stats.tree_chosen if sh]
+        most = max(set(shapes), key=shapes.count, default=None)
+        k = f"tree={tree_text(args.tree)}" + (f" (most chosen {tree_text(most) if most else 'plain'})"
+                                               if args.tree == "auto" else "")
+    else:
+        k = f"k={k}"
+    return (f"; speculation {k}: {stats.rounds} rounds, acceptance rate {stats.acceptance_rate:.3f}, "
+            f"{stats.mean_accepted:.2f} tokens per round")
 
 
 # ---- the command table and entry point
