@@ -347,17 +347,20 @@ def decide(policy: ExactSampler, target, params: SamplingParams, prop: Proposal,
     rows = list(itertools.pairwise([0, *itertools.accumulate(len(d) + 1 for d in drafts)]))  # row b's logits
     if params.greedy:  # a tree: the target's argmax at every node, the walk to the child that matches it
         top = logits.argmax(-1).tolist()
-        return Verdict(*map(list, zip(*(greedy_tree_verify(d, par, top[i:j])
-                                        for d, par, (i, j) in zip(drafts, prop.parents, rows)))))
+        decided = [greedy_tree_verify(d, par, top[i:j]) for d, par, (i, j) in zip(drafts, prop.parents, rows)]
+        return Verdict([path for path, _ in decided], [nxt for _, nxt in decided])
     probs = policy.target_probs(logits, params).double().cpu()
     u = [torch.rand(len(d) + 1, generator=gens[r], dtype=torch.float64) for d, r in zip(drafts, prop.rows)]
-    if prop.tree:
-        decided = [policy.tree_verify(d, par, q, probs[i:j], ub)
-                   for d, par, q, (i, j), ub in zip(drafts, prop.parents, prop.qs, rows, u)]
-    else:
-        decided = [(list(range(n)), nxt) for n, nxt in (policy.verify(d, q, probs[i:j], ub)
-                                                         for d, q, (i, j), ub in zip(drafts, prop.qs, rows, u))]
-    return Verdict(*map(list, zip(*decided)))
+    paths, nxt = [], []
+    for d, par, q, (i, j), ub in zip(drafts, prop.parents, prop.qs, rows, u):
+        if prop.tree:
+            path, t = policy.tree_verify(d, par, q, probs[i:j], ub)
+        else:
+            n, t = policy.verify(d, q, probs[i:j], ub)
+            path = list(range(n))
+        paths.append(path)
+        nxt.append(t)
+    return Verdict(paths, nxt)
 
 
 class _Run:
