@@ -158,8 +158,9 @@ def available() -> bool:
     if lib is None and not _told:
         _told = True
         print(f"minispec: the quantized products ({IQK_LIBRARY.name}, {LIBRARY.name}) are not built or do not "
-              "load here; kept matrices compute in PyTorch (slower; `python tools/build_ggml.py` builds them)",
-              file=sys.stderr)
+              "load here; kept matrices compute in PyTorch, slower, Q4_K exactly but Q6_K, Q5_0 and Q8_0 "
+              "requantized to int8 rows (within half a step of a row's scale; `python tools/build_ggml.py` builds "
+              "them)", file=sys.stderr)
     return lib is not None
 
 

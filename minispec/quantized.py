@@ -39,7 +39,7 @@ import struct
 import torch
 import torch.nn as nn
 
-from . import ggml, kernels
+from . import ggml
 from .errors import InputError
 from .forms import GROUP, Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked, pack_q4, set_weight, unpack_q4
 
@@ -218,14 +218,15 @@ def computed_values(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def packed_weight(form: str, parts: dict[str, torch.Tensor]) -> PackedWeight:
     """A kept matrix as the product the CPU computes: a file's blocks through ggml's kernels (minispec.ggml)
-    where that is built and the fast paths are on; else its int4 or int8 kernel (a file's blocks made into
-    int4 groups, Q4_K exactly, or int8 rows), else (a shape those kernels do not take) its dequantized values
-    multiplied row by row."""
+    where that is built, whatever the kernel switch says at load (switched off, the product multiplies the file's
+    own values: the switch chooses how a product is computed, never what it holds); else its int4 or int8 kernel
+    (a file's blocks made into int4 groups, Q4_K exactly, or int8 rows: the notice `ggml.available` prints says
+    so), else (a shape those kernels do not take) its dequantized values multiplied row by row."""
     if form in BLOCK_FORMS:
         blocks = parts[form]
         _, values, size = ggml.TYPES[form]
         k = blocks.shape[1] // size * values
-        if kernels.enabled() and ggml.available() and ggml.takes(form, k, blocks):
+        if ggml.available() and ggml.takes(form, k, blocks):
             return ggml.GgmlWeight(form, blocks, k)
         if form == "q4_k":
             return packed_weight("q4", q4_k_groups(blocks.reshape(-1), blocks.shape[0], k))

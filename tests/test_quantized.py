@@ -412,3 +412,21 @@ def test_greedy_speculation_with_the_real_kept_target(real_pair):
     assert kept.speculate(fp32, ids, k=4, max_new_tokens=16).tokens == want
     assert kept.speculate(fp32, ids, k=8, max_new_tokens=16).tokens == want  # 9-row verify passes
     assert kept.speculate("prompt-lookup", ids, k=3, max_new_tokens=16).tokens == want
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_the_switch_off_gives_the_files_own_values_whenever_it_is_set(kept_dir, when, monkeypatch):
+    """MINISPEC_KERNELS=plain set before loading builds the same products as set after (the switch chooses how a
+    product is computed, never what it holds): the file's own values, as its float conversion computes them."""
+    if not ggml.available():
+        pytest.skip("no product library built: Q6_K, Q5_0 and Q8_0 then become int8 rows (the notice says so)")
+    x = torch.tensor([[1, 5, 3, 9, 4, 12, 7, 2]])
+    want = Transformer.from_pretrained(kept_dir, int4=False)(x)
+    if when == "before":
+        monkeypatch.setenv("MINISPEC_KERNELS", "plain")
+    model = Transformer.from_pretrained(kept_dir)
+    monkeypatch.setenv("MINISPEC_KERNELS", "plain")
+    got = model(x)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    monkeypatch.setenv("MINISPEC_KERNELS", "fast")  # the control: the products' 8-bit activations, farther off
+    assert (model(x) - want).abs().max() > 1e-3 * want.abs().max()
