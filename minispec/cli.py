@@ -306,7 +306,13 @@ SAMPLING_OPTIONS = {"samples": "--samples", "tokens": "--tokens", "temperature":
 
 def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     """The `equivalence` subcommand: every value is checked here, so bad input exits with 2 before a model loads."""
-    d = DEFAULTS
+    _add_engine_args(p)
+    _add_sample_args(p, DEFAULTS)
+    _add_test_args(p, DEFAULTS)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """equivalence's models and engines: what draws the samples, and the servers' options."""
     p.add_argument("--target", type=_checkpoint_dir, metavar="DIR",
                    help="the target checkpoint directory (minispec's model scores every sample); without it a "
                         "server engine is audited by the two-sample test against reference samples drawn with "
@@ -351,6 +357,10 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                                                       "engines (default: --target exported into a temporary one)")
     p.add_argument("--hf-draft", metavar="DIR", help="the assistant as a Hugging Face directory for "
                                                      "transformers-assisted (default: --draft exported)")
+
+
+def _add_sample_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """equivalence's samples: a file of them, or the prompts and the sampling settings they are drawn with."""
     p.add_argument("--samples-file", type=_samples_file, metavar="FILE.jsonl",
                    help="test samples drawn by any engine (first line: the settings; then one "
                         '{"prompt": [ids], "tokens": [ids]} per line; see docs/equivalence.md)')
@@ -377,6 +387,10 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
     p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
+
+
+def _add_test_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """equivalence's test and report: level, PIT order, bins, batches, power, output, devices and dtypes."""
     p.add_argument("--alpha", type=float_in(0.0, 1.0, lo_open=True, hi_open=True), metavar="A", default=d["alpha"],
                    help=f"significance level of the verdict, in (0, 1) (default {d['alpha']})")
     p.add_argument("--order", choices=("id", "prob", "both"), default="both",
@@ -396,7 +410,6 @@ def add_equivalence_args(p: argparse.ArgumentParser) -> None:
                    help="the target's compute dtype, for sampling and scoring (default: as stored)")
     p.add_argument("--draft-dtype", choices=(*DTYPES, "int4"), default=None,
                    help="the draft's compute dtype, or int4 products on a CPU (default: as generate's --draft-dtype)")
-
 
 def _check_equivalence_options(args) -> None:
     """The combinations argparse cannot check alone; fills in the sampling defaults."""
