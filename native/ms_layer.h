@@ -78,10 +78,17 @@ static float ms_dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+// o += w v over n values
+static void ms_axpy(float *restrict o, const float *restrict v, float w, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] += w * v[i];
+}
+
 // rotate-half RoPE of one head in place: x * cos + roll(x, D/2) * sin
-static void ms_rope(float *x, const float *cos, const float *sin, int64_t d, float *tmp) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+static void ms_rope(float *restrict x, const float *restrict cos, const float *restrict sin, int64_t d,
+                    float *restrict tmp) {
+    const int64_t half = d / 2;  // (the two halves apart: loops without a modulo vectorize)
+    for (int64_t i = 0; i < half; i++) tmp[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int64_t i = half; i < d; i++) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
     memcpy(x, tmp, (size_t)d * sizeof(float));
 }
 
@@ -118,10 +125,7 @@ static void ms_attend_part(const void *arg, int64_t part, int64_t parts) {
         }
         float sum = 0;
         for (int64_t t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
-        for (int64_t t = 0; t < n; t++) {
-            const float *v = j->pool + (keys[t] * 2 * Hkv + Hkv + g) * D, w = s[t] / sum;
-            for (int64_t i = 0; i < D; i++) o[i] += w * v[i];
-        }
+        for (int64_t t = 0; t < n; t++) ms_axpy(o, j->pool + (keys[t] * 2 * Hkv + Hkv + g) * D, s[t] / sum, D);
     }
 }
 
