@@ -411,30 +411,11 @@ def _add_test_args(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--draft-dtype", choices=(*DTYPES, "int4"), default=None,
                    help="the draft's compute dtype, or int4 products on a CPU (default: as generate's --draft-dtype)")
 
+
 def _check_equivalence_options(args) -> None:
     """The combinations argparse cannot check alone; fills in the sampling defaults."""
     if args.samples_file is not None:
-        if args.target is None:
-            raise UsageError("--samples-file needs --target DIR: the samples are scored under the target")
-        given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
-        given += [flag for flag, v in (("--model", args.model), ("--reference-url", args.reference_url),
-                                      ("--concurrency", args.concurrency), ("--prompt-ids", args.prompt_ids),
-                                      ("--mixed-seeds", args.mixed_seeds or None)) if v is not None]
-        given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
-                                      ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                                      ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
-                                      ("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                                      ("--url", args.url), ("--server-threads", args.server_threads),
-                                      ("--no-model-check", args.no_model_check or None))
-                  if v is not None]
-        if args.engine != "minispec":
-            given.append("--engine")
-        if args.tree is not None:
-            given.append("--tree")
-        if given:
-            raise UsageError(f"{', '.join(given)} do(es) not apply with --samples-file: the file's first line states "
-                             "the settings and its samples are already drawn")
-        return
+        return _check_samples_file_options(args)
     if args.tree is not None:
         if args.engine != "minispec":
             raise UsageError(f"--tree is minispec's token tree (--engine minispec); --engine {args.engine} drafts "
@@ -446,9 +427,49 @@ def _check_equivalence_options(args) -> None:
     for name in SAMPLING_OPTIONS:
         if getattr(args, name) is None:
             setattr(args, name, DEFAULTS[name])
-    remote = [f for f, v in (("--model", args.model), ("--reference-url", args.reference_url),
-                             ("--concurrency", args.concurrency), ("--mixed-seeds", args.mixed_seeds or None))
+    _check_reference_options(args)
+    if args.engine in REMOTE_KINDS:
+        _check_remote_options(args)
+        return
+    if args.model is not None:
+        raise UsageError("--model goes with --engine openai")
+    if args.engine == LLAMA_CPP:
+        _check_server_options(args)
+        if args.mixed_seeds and args.target is not None:
+            raise UsageError(f"--mixed-seeds with --target: audit the llama-server as --engine openai --url URL/v1 "
+                             f"(the {LLAMA_CPP} engine seeds every request)")
+        return
+    _check_local_engine_options(args)
+
+
+def _check_samples_file_options(args) -> None:
+    """--samples-file: the target to score under, and none of the options the file's first line states or that
+    draw samples."""
+    if args.target is None:
+        raise UsageError("--samples-file needs --target DIR: the samples are scored under the target")
+    given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
+    given += [flag for flag, v in (("--model", args.model), ("--reference-url", args.reference_url),
+                                  ("--concurrency", args.concurrency), ("--prompt-ids", args.prompt_ids),
+                                  ("--mixed-seeds", args.mixed_seeds or None)) if v is not None]
+    given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
+                                  ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
+                                  ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
+                                  ("--server-model", args.server_model), ("--server-draft", args.server_draft),
+                                  ("--url", args.url), ("--server-threads", args.server_threads),
+                                  ("--no-model-check", args.no_model_check or None))
               if v is not None]
+    if args.engine != "minispec":
+        given.append("--engine")
+    if args.tree is not None:
+        given.append("--tree")
+    if given:
+        raise UsageError(f"{', '.join(given)} do(es) not apply with --samples-file: the file's first line states "
+                         "the settings and its samples are already drawn")
+
+
+def _check_reference_options(args) -> None:
+    """Without --target: a server engine, sampling above temperature 0, a reference deployment and prompts as ids;
+    with it, no --reference-url."""
     if args.target is None:
         if args.engine not in (LLAMA_CPP, *REMOTE_KINDS):
             raise UsageError(f"--engine {args.engine} needs --target DIR (only a server engine can be audited "
@@ -464,17 +485,13 @@ def _check_equivalence_options(args) -> None:
     elif args.reference_url is not None:
         raise UsageError("--reference-url is the two-sample audit's reference; with --target the target itself is "
                          "the reference")
-    if args.engine in REMOTE_KINDS:
-        _check_remote_options(args)
-        return
-    if args.model is not None:
-        raise UsageError("--model goes with --engine openai")
-    if args.engine == LLAMA_CPP:
-        _check_server_options(args)
-        if args.mixed_seeds and args.target is not None:
-            raise UsageError(f"--mixed-seeds with --target: audit the llama-server as --engine openai --url URL/v1 "
-                             f"(the {LLAMA_CPP} engine seeds every request)")
-        return
+
+
+def _check_local_engine_options(args) -> None:
+    """--engine minispec or a transformers engine: no server option, and the draft each one needs."""
+    remote = [f for f, v in (("--model", args.model), ("--reference-url", args.reference_url),
+                             ("--concurrency", args.concurrency), ("--mixed-seeds", args.mixed_seeds or None))
+              if v is not None]
     if remote:
         raise UsageError(f"{', '.join(remote)} go(es) with the server engines ({LLAMA_CPP}, "
                          f"{', '.join(REMOTE_KINDS)})")

@@ -115,10 +115,7 @@ def test_the_modules_read_in_the_order_design_md_lists_them():
 # ---- function lengths: speculate reads as one loop, and no function of minispec/ runs past a screen
 
 SPECULATE_MAX = 40  # speculate: choose, propose, verify, commit, observe, and its docstring
-FUNCTION_MAX = 60
-# The functions still longer than FUNCTION_MAX, each with the length it may not exceed until it is split.
-# minispec/equivalence/ is not counted: its layering is its owner's (issue 46, item 3).
-LONG = {"minispec/cli.py:_check_equivalence_options": 87}
+FUNCTION_MAX = 60  # every function of minispec/ but equivalence/, whose layering is issue 46's item 3
 
 
 def function_lengths(path: Path, root: Path = PACKAGE.parent) -> dict[str, int]:
@@ -145,7 +142,5 @@ def test_speculate_and_every_function_are_short():
         if "equivalence" not in p.relative_to(PACKAGE).parts:
             lengths.update(function_lengths(p))
     assert lengths["minispec/speculative.py:speculate"] <= SPECULATE_MAX
-    too_long = {k: n for k, n in lengths.items() if n > LONG.get(k, FUNCTION_MAX)}
-    assert not too_long, f"over {FUNCTION_MAX} lines (or past their ceiling in LONG): {too_long}"
-    stale = sorted(k for k in LONG if lengths.get(k, 0) <= FUNCTION_MAX)
-    assert not stale, f"within {FUNCTION_MAX} lines now: take them off LONG: {stale}"
+    too_long = {k: n for k, n in lengths.items() if n > FUNCTION_MAX}
+    assert not too_long, f"over {FUNCTION_MAX} lines: {too_long}"
