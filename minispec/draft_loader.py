@@ -20,7 +20,7 @@ from .errors import check_compatible, one_line, show
 from .feature_draft import KIND, FeatureDraft, FeatureDrafter, check_feature_draft
 from .model import Transformer
 
-FORMS = (*DTYPES, "int4")  # what `dtype` may name: a compute dtype, or int4 products on a CPU
+DRAFT_DTYPES = (*DTYPES, "int4")  # what `dtype` may name: a compute dtype, or int4 products on a CPU
 HEADER_BYTES = 1 << 20  # room for a feature draft's safetensors header (a few KB: about 15 tensors)
 
 
@@ -35,8 +35,8 @@ def load_draft(path, target, dtype: str | None = None, device=None):
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"a draft is a directory path (a str or os.PathLike), got {show(path)}")
     path = Path(path)
-    if dtype is not None and dtype not in FORMS:
-        raise CheckpointError(f"draft dtype must be one of {', '.join(FORMS)}, got {dtype!r}")
+    if dtype is not None and dtype not in DRAFT_DTYPES:
+        raise CheckpointError(f"draft dtype must be one of {', '.join(DRAFT_DTYPES)}, got {dtype!r}")
     if dtype == "int4" and torch.device(device or "cpu").type != "cpu":
         raise CheckpointError(f"int4 draft products run on a CPU, not {device}")
     if not (path / "config.json").is_file():

@@ -111,12 +111,14 @@ class Attention(nn.Module):
     Hkv key heads, then the Hkv value heads); checkpoints keep q_proj / k_proj / v_proj.
     """
 
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # the checkpoint's names of qkv_proj's parts, in its row order
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.dim, (H + 2 * Hkv) * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
-        fuse_projections(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [H * D, Hkv * D, Hkv * D])
+        fuse_projections(self, "qkv_proj", self.PROJECTIONS, [H * D, Hkv * D, Hkv * D])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pool: torch.Tensor | None, meta: AttentionMetadata | None, rows_alike: bool = False,

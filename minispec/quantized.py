@@ -44,7 +44,7 @@ from .errors import InputError
 from .forms import GROUP, Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked, pack_q4, set_weight, unpack_q4
 
 # form -> its tensors: (suffix, safetensors dtype, shape from the matrix's (N, K))
-FORMS = {
+STORED_PARTS = {
     "q4": (("q4", "U8", lambda n, k: (n, k // 2)), ("q4_scale", "F32", lambda n, k: (n, k // GROUP)),
            ("q4_min", "F32", lambda n, k: (n, k // GROUP))),
     "q8": (("q8", "I8", lambda n, k: (n, k)), ("q8_scale", "F32", lambda n, k: (n,))),
@@ -52,8 +52,9 @@ FORMS = {
 # a GGUF's own blocks, one uint8 row of blocks per output, under the type's name (NAME.q4_k, ...): what
 # --keep-quant writes for the types this module can also decode without the compiled product
 BLOCK_FORMS = ("q4_k", "q6_k", "q5_0", "q8_0")
-FORMS.update({kind: ((kind, "U8", lambda n, k, kind=kind: (n, ggml.row_bytes(kind, k))),) for kind in BLOCK_FORMS})
-_SUFFIX = {suffix: form for form, parts in FORMS.items() for suffix, _, _ in parts}
+STORED_PARTS.update({kind: ((kind, "U8", lambda n, k, kind=kind: (n, ggml.row_bytes(kind, k))),)
+                     for kind in BLOCK_FORMS})
+_SUFFIX = {suffix: form for form, parts in STORED_PARTS.items() for suffix, _, _ in parts}
 
 
 class QuantizedCheckpointError(InputError):
@@ -62,9 +63,9 @@ class QuantizedCheckpointError(InputError):
 
 def matrix_shape(form: str, parts: dict[str, tuple[int, ...]], name: str, source: str) -> tuple[int, int]:
     """The (N, K) matrix a kept form's tensor shapes describe; every part checked against it."""
-    first = parts[FORMS[form][0][0]]
+    first = parts[STORED_PARTS[form][0][0]]
     if len(first) != 2 or first[0] < 1 or first[1] < 1:
-        raise QuantizedCheckpointError(f"{source}: {name}.{FORMS[form][0][0]} has shape {first}; a kept matrix "
+        raise QuantizedCheckpointError(f"{source}: {name}.{STORED_PARTS[form][0][0]} has shape {first}; a kept matrix "
                                        "is 2-D and non-empty")
     n, k = first[0], first[1] * (2 if form == "q4" else 1)
     if form in BLOCK_FORMS:
@@ -75,7 +76,7 @@ def matrix_shape(form: str, parts: dict[str, tuple[int, ...]], name: str, source
         k = first[1] // size * values
     if form == "q4" and k % GROUP:
         raise QuantizedCheckpointError(f"{source}: {name}.q4 holds {k} inputs a row, not a multiple of {GROUP}")
-    for suffix, _, shape in FORMS[form]:
+    for suffix, _, shape in STORED_PARTS[form]:
         if parts[suffix] != shape(n, k):
             raise QuantizedCheckpointError(f"{source}: {name}.{suffix} has shape {parts[suffix]}, expected "
                                            f"{shape(n, k)} for a {n} x {k} matrix")
@@ -97,11 +98,11 @@ def split_kept(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], sourc
     kept = {}
     for base, parts in groups.items():
         form = _SUFFIX[next(iter(parts))]
-        want = {suffix for suffix, _, _ in FORMS[form]}
+        want = {suffix for suffix, _, _ in STORED_PARTS[form]}
         if set(parts) != want:
             raise QuantizedCheckpointError(f"{source}: {base} has tensors {sorted(parts)}, expected the {form} form's "
                                            f"{sorted(want)}")
-        for suffix, dtype, _ in FORMS[form]:
+        for suffix, dtype, _ in STORED_PARTS[form]:
             if dtypes[f"{base}.{suffix}"] != dtype:
                 raise QuantizedCheckpointError(f"{source}: {base}.{suffix} has dtype {dtypes[f'{base}.{suffix}']}, "
                                                f"expected {dtype}")
@@ -255,7 +256,7 @@ class KeptEmbedding(nn.Module):
     def __init__(self, form: str, parts: dict[str, torch.Tensor]):
         super().__init__()
         self.form, self.parts = form, parts
-        self.num_embeddings = parts[FORMS[form][0][0]].shape[0]
+        self.num_embeddings = parts[STORED_PARTS[form][0][0]].shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize(self.form, {name: t[ids] for name, t in self.parts.items()})
@@ -300,13 +301,13 @@ class FileReader:
 
 def part_names(kept: dict[str, str]) -> set[str]:
     """The file's tensor names that make up the kept matrices (NAME.q4, NAME.q4_scale, ...)."""
-    return {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in FORMS[form]}
+    return {f"{name}.{suffix}" for name, form in kept.items() for suffix, _, _ in STORED_PARTS[form]}
 
 
 def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
     """A kept matrix's tensors by suffix, each read with read(tensor name); a non-finite scale or min is refused
     here, naming the tensor, since every value it scales would be NaN or inf when the model runs."""
-    parts = {suffix: read(f"{name}.{suffix}") for suffix, _, _ in FORMS[form]}
+    parts = {suffix: read(f"{name}.{suffix}") for suffix, _, _ in STORED_PARTS[form]}
     for suffix, t in parts.items():
         if (t.is_floating_point() and not bool(torch.isfinite(t).all())) or (
                 form in BLOCK_FORMS and not bool(torch.isfinite(block_scales(form, t)).all())):
@@ -328,12 +329,11 @@ def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torc
             model.embed_tokens = KeptEmbedding(form, parts(name))
             if model.lm_head is None:  # a tied head: the product from the same stored values
                 model.head_packed = packed_weight(form, model.embed_tokens.parts)
-        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            prefix = name.rsplit(".", 2)[0]  # layers.i.self_attn: its trio is packed once, at its first kept one
-            trio = [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+        elif (part := name.rsplit(".", 2))[-2] in getattr(attn := model.get_submodule(part[0]), "PROJECTIONS", ()):
+            # layers.i.self_attn's q, k and v (model.Attention names them): packed once, at its first kept one
+            trio = [f"{part[0]}.{p}.weight" for p in attn.PROJECTIONS]
             if next(n for n in trio if n in kept) != name:
                 continue
-            attn = model.get_submodule(prefix)
             if all(n in kept for n in trio):
                 set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
             else:

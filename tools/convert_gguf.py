@@ -578,7 +578,7 @@ def _worst(a: float, b: float) -> float:
 
 
 class KeptTensor:
-    """One quantized GGUF matrix in a kept form (`quantized.FORMS`): its parts made once, when the first is
+    """One quantized GGUF matrix in a kept form (`quantized.STORED_PARTS`): its parts made once, when the first is
     written (the parts are written one after another), and its distance from the file's values recorded."""
 
     def __init__(self, t, name: str, shape: tuple[int, int], cfg: ModelConfig, permuted: bool, errors: dict,
@@ -594,7 +594,7 @@ class KeptTensor:
         n, k = self.shape
         return [TensorEntry(f"{self.name}.{suffix}", shape(n, k), TORCH_DTYPE[dtype],
                             functools.partial(self.part, suffix))
-                for suffix, dtype, shape in quantized.FORMS[self.form]]
+                for suffix, dtype, shape in quantized.STORED_PARTS[self.form]]
 
     def part(self, suffix: str) -> torch.Tensor:
         if self.parts is None:
@@ -612,7 +612,8 @@ class KeptTensor:
         block scale or value is refused: requantized, a NaN row would become zeros."""
         n, k = self.shape
         kind = self.t.tensor_type
-        parts = {s: torch.empty(shape(n, k), dtype=TORCH_DTYPE[dt]) for s, dt, shape in quantized.FORMS[self.form]}
+        parts = {s: torch.empty(shape(n, k), dtype=TORCH_DTYPE[dt])
+                 for s, dt, shape in quantized.STORED_PARTS[self.form]}
         worst = self.errors.setdefault(kind.name, [self.form, 0.0, 0.0, 0.0])
         step = max(1, CHUNK_VALUES // k)
         for i in range(0, n, step):
