@@ -22,12 +22,10 @@ instead (minispec.quantized).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .forms import PackedWeight
+from .threads import product_threads
 
 LIBRARY = Path(__file__).resolve().parent / "libminispec_ggml.so"
 IQK_LIBRARY = LIBRARY.with_name("libminispec_iqk.so")
@@ -124,31 +123,6 @@ def rows_alike(lib: ctypes.CDLL, type_id: int, blocks: torch.Tensor, k: int) -> 
 
 
 _told = False
-_local = threading.local()  # the product's own thread count inside a model step (`threads_for`), per caller thread
-
-
-@contextlib.contextmanager
-def threads_for(n: int | None):
-    """A step, at n threads, of a model whose matrices are (some of them) ggml's: the products run on their own
-    n threads and PyTorch at one thread meanwhile (PyTorch's OpenMP threads spin between regions on the very
-    cores the products' threads need: 2.8x slower steps measured at two and two), then PyTorch's count is set
-    back. n None: nothing changes."""
-    if n is None:
-        yield
-        return
-    caller, before = torch.get_num_threads(), getattr(_local, "threads", None)
-    _local.threads = n
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(caller)
-        _local.threads = before
-
-
-def product_threads() -> int:
-    """The thread count a product runs at here: the step's (`threads_for`), else PyTorch's."""
-    return getattr(_local, "threads", None) or torch.get_num_threads()
 
 
 def available() -> bool:

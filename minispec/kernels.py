@@ -40,6 +40,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .threads import at_threads
+
 # ---------------------------------------------------------------------------
 # the switch
 # ---------------------------------------------------------------------------
@@ -132,14 +134,9 @@ def product_forms() -> tuple[str, str]:
             PRODUCTS[form](x, w, b)
             times.append(time.perf_counter() - t0)
         return min(times[1:])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
-                    min(forms, key=lambda f: best(f, 4)))
-    finally:
-        torch.set_num_threads(threads)
+    with at_threads(1, torch.get_num_threads()), torch.inference_mode():
+        return (min((f for f in forms if f != "transposed"), key=lambda f: best(f, 1)),
+                min(forms, key=lambda f: best(f, 4)))
 
 
 def _one_row_as_two(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fused, ggml, kernels
+from . import fused, kernels
 from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
@@ -30,7 +30,7 @@ from .forms import Int4Weight, PackedWeight, int4_supported, set_weight
 from .generate import generate
 from .quantized import KeptEmbedding
 from .speculative import speculate
-from .threads import tuned
+from .threads import product_threads, products_at, tuned
 
 
 class RMSNorm(nn.Module):
@@ -297,7 +297,7 @@ class Transformer(nn.Module):
             if self._fused is False:  # a kept model's blocks are final by its first pass (minispec.fused)
                 self._fused = fused.Blocks.build(self)
             if self._fused is not None and self._fused.takes(x, kv):
-                return self.norm(self._fused.run(x, cos, sin, kv, meta, ggml.product_threads()), self.rows_alike)
+                return self.norm(self._fused.run(x, cos, sin, kv, meta, product_threads()), self.rows_alike)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if kv is None else kv[i], meta, self.rows_alike)
         return self.norm(x, self.rows_alike)
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
                 ~meta.mask, float("-inf"))
         # the thread count is chosen per kind of step by its measured times, within the caller's (minispec.threads)
         kind = (self.config.dim, self.config.n_layers, self.config.int4, self.rows_alike, len(seqs), T)
-        with tuned(kind, self.device) as n, kernels.resolved(), ggml.threads_for(n if self.ggml_products else None):
+        with tuned(kind, self.device) as n, kernels.resolved(), products_at(n if self.ggml_products else None):
             h = self._trunk(padded.to(self.device), meta.positions, cache.kv, meta)  # (B, T, dim)
             if hidden:
                 return h

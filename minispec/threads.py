@@ -30,6 +30,7 @@ can only lose, and tries again once a core is free.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 
@@ -173,6 +174,32 @@ def at_threads(n: int, caller: int, set_threads=torch.set_num_threads):
     finally:
         if n != caller:
             set_threads(caller)
+
+
+_local = threading.local()  # the compiled products' thread count inside a step (`products_at`), per caller thread
+
+
+@contextmanager
+def products_at(n: int | None):
+    """A step, at n threads, of a model whose matrices are (some of them) compiled products (minispec.ggml): the
+    products and the compiled blocks run on their own n threads and PyTorch at one thread meanwhile (PyTorch's
+    OpenMP threads spin between regions on the very cores the products' threads need: 2.8x slower steps measured
+    at two and two), then PyTorch's count is set back. n None: nothing changes."""
+    if n is None:
+        yield
+        return
+    before = getattr(_local, "threads", None)
+    _local.threads = n
+    try:
+        with at_threads(1, torch.get_num_threads()):
+            yield
+    finally:
+        _local.threads = before
+
+
+def product_threads() -> int:
+    """The thread count a compiled product runs at here: the step's (`products_at`), else PyTorch's."""
+    return getattr(_local, "threads", None) or torch.get_num_threads()
 
 
 def idle_seconds(path: str = "/proc/stat"):

@@ -17,6 +17,7 @@ import torch
 from test_quantized import batch_against_alone, kept_dir  # noqa: F401 - kept_dir is a fixture
 
 from minispec import Transformer, fused, ggml, kernels
+from minispec import model as model_module
 
 pytest.importorskip("gguf")
 
@@ -85,7 +86,7 @@ def test_every_row_count_gives_each_position_its_decode_steps_bits(kept, threads
     kept.step(cache, [s], [PROMPT])
     f = cache.fork(s)
     new = [(3 * i + 1) % 16 for i in range(16)]
-    with mock.patch.object(ggml, "product_threads", lambda: threads):
+    with mock.patch.object(model_module, "product_threads", lambda: threads):
         one = torch.stack([kept.step(cache, [s], [[t]])[0] for t in new])
         for rows in (2, 5, 9, 16):
             g = cache.fork(f)

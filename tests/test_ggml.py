@@ -211,6 +211,8 @@ def test_the_switch_off_multiplies_the_file_values_plainly(product):
 
 @needs_library
 def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
+    from minispec import threads
+
     from helpers import kept_blocks, peaked_model
     float_model = peaked_model(seed=3, vocab_size=64, dim=64)
     kept = kept_blocks(float_model, tmp_path / "kept")
@@ -219,17 +221,17 @@ def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
     real = ggml.GgmlWeight.product
 
     def product(self, rows):
-        seen.append((torch.get_num_threads(), ggml._local.threads))
+        seen.append((torch.get_num_threads(), threads._local.threads))
         return real(self, rows)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with ggml.threads_for(2):
-            assert torch.get_num_threads() == 1 and ggml._local.threads == 2
-        assert torch.get_num_threads() == 2 and ggml._local.threads is None  # the caller's count set back
-        with ggml.threads_for(None):  # a model without ggml's matrices: PyTorch keeps its count
+        with threads.products_at(2):
+            assert torch.get_num_threads() == 1 and threads._local.threads == 2
+        assert torch.get_num_threads() == 2 and threads._local.threads is None  # the caller's count set back
+        with threads.products_at(None):  # a model without ggml's matrices: PyTorch keeps its count
             assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), ggml.threads_for(2):
+        with pytest.raises(RuntimeError), threads.products_at(2):
             raise RuntimeError("a failed step")
         ggml.GgmlWeight.product = product
         try:
