@@ -430,3 +430,23 @@ def test_the_switch_off_gives_the_files_own_values_whenever_it_is_set(kept_dir, 
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     monkeypatch.setenv("MINISPEC_KERNELS", "fast")  # the control: the products' 8-bit activations, farther off
     assert (model(x) - want).abs().max() > 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0])
+def test_a_kept_embedding_looks_up_the_files_values_by_either_decoder(kind):
+    """ggml's dequantization of the looked-up rows (one call, where it is built) gives the PyTorch decoder's values."""
+    if not ggml.available():
+        pytest.skip("no product library built: the PyTorch decoder is the only one")
+    n, k = 40, 512
+    if kind in (Q.Q4_K, Q.Q6_K):
+        raw = random_blocks(kind, n, k, 0.01, 5)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(5).normal(0, 0.06, (n, k)).astype(np.float32), kind)
+    form = kind.name.lower()
+    table = quantized.KeptEmbedding(form, {form: torch.from_numpy(raw.reshape(n, -1))})
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    got = table(ids)
+    with kernels.plain():
+        want = table(ids)
+    assert got.shape == (2, 3, k) and torch.equal(got, want)
+    assert torch.equal(want, dequantized(raw.reshape(n, -1), kind, n, k)[ids])
