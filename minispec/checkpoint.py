@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import quantized
+from . import forms, quantized
 from .config import ModelConfig
 from .errors import InputError
 from .forms import int4_supported
@@ -243,7 +243,7 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
         try:
             with quantized.FileReader(wfile) as read:
                 if packed:
-                    quantized.install(model, kept, read, state)
+                    forms.install(model, kept, read, state)
                 else:
                     state.update(quantized.dequantized(kept, read))
         except quantized.QuantizedCheckpointError as e:
@@ -255,7 +255,7 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None, in
     model.config.int4 = False  # set again by to_int4
     model = model.to(device=device or "cpu", dtype=None if int4 else dtype)  # int4: each matrix in fp32 only in turn
     if packed:
-        quantized.make_rows_alike(model)
+        forms.make_rows_alike(model)
     elif int4:
         model.to_int4()
     model.tokenizer = tokenizer
@@ -287,7 +287,7 @@ def save_pretrained(model, path, dtype: torch.dtype | None = None, overwrite: bo
     Other files in `path` are kept; a checkpoint's own files there are replaced as a set (atomic_output_dir).
     overwrite=False refuses a `path` that is not empty.
     """
-    if quantized.is_packed(model):
+    if forms.is_packed(model):
         raise ValueError("a model with packed weights (int4 products or a GGUF's kept quantization) is not saved: "
                          "save the float checkpoint it came from, with int4 set in its config.json "
                          "(tools/convert_gguf.py --int4), or convert its GGUF again (--keep-quant)")

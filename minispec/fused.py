@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from . import ggml
+from . import forms, ggml
 from .forms import Stacked
 
 i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
@@ -52,7 +52,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _product(w) -> _Product | None:
-    if not isinstance(w, ggml.GgmlWeight):
+    if not isinstance(w, forms.GgmlWeight):
         return None
     matmul, type_id, x_row = w._run
     blocks = w.blocks if w.repacked is None else w.repacked

@@ -1,8 +1,8 @@
-"""A GGUF's quantized matrices multiplied as stored, by llama.cpp's or ik_llama.cpp's CPU kernels.
-
-`GgmlWeight` holds an (N, K) matrix as the file's blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...: one uint8 row of
-blocks per output) and computes x @ w.T through one of two small compiled libraries (tools/build_ggml.py builds
-them into this package), the product chosen once, when the matrix is loaded:
+"""The compiled products that multiply a GGUF's quantized matrices as stored, by llama.cpp's or ik_llama.cpp's CPU
+kernels: the two small libraries (tools/build_ggml.py builds them into this package), loaded here, and the
+choice between them for a matrix (`product_library`). `forms.GgmlWeight` holds an (N, K) matrix as the file's
+blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...: one uint8 row of blocks per output) and computes x @ w.T through one of
+them, chosen once, when the matrix is loaded:
 
 - `libminispec_iqk.so` (native/iqk_shim.c): ik_llama.cpp's row-tiled product, iqk_mul_mat, which unpacks each
   weight block once for a tile of up to 8 activation rows (a verify pass's rows nearly share one decode step's
@@ -17,7 +17,7 @@ bits a decode step gives it.
 `MINISPEC_PRODUCT=ggml` (or `iqk`) picks a library for the matrices loaded after it is set; unset, iqk where it
 can. `available()` says whether either library loads; when neither does (no compiler or source at install time,
 another CPU architecture), a one-line notice says so at first use, and the kept matrices compute in PyTorch
-instead (minispec.quantized).
+instead (minispec.forms).
 """
 
 from __future__ import annotations
@@ -29,11 +29,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-from . import kernels
-from .forms import PackedWeight
-from .threads import product_threads
 
 LIBRARY = Path(__file__).resolve().parent / "libminispec_ggml.so"
 IQK_LIBRARY = LIBRARY.with_name("libminispec_iqk.so")
@@ -142,63 +137,6 @@ def row_bytes(kind: str, k: int) -> int:
     """Bytes of one row of k values of type `kind`."""
     _, values, size = TYPES[kind]
     return k // values * size
-
-
-class GgmlWeight(PackedWeight):
-    """An (N, K) matrix as a GGUF stores it, `blocks` uint8 (N, row bytes), multiplied by ik_llama.cpp's or
-    llama.cpp's kernels (`product_name`: "iqk" or "ggml", chosen at construction)."""
-
-    __slots__ = ("blocks", "kind", "type_id", "repacked", "product_name", "lib", "_run")
-
-    def __init__(self, kind: str, blocks: torch.Tensor, k: int, repack: bool = True):
-        self.kind, self.type_id = kind, TYPES[kind][0]
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(kind, k):
-            raise ValueError(f"a {kind} matrix of {k} inputs has rows of {row_bytes(kind, k)} bytes, got "
-                             f"{tuple(blocks.shape)} {blocks.dtype}")
-        chosen = product_library(self.type_id, k, blocks[:CHECK_ROWS])
-        if chosen is None:
-            raise ValueError(f"no built product multiplies {kind} here")
-        self.product_name, lib = chosen
-        self.lib, self.blocks, self.shape = lib, blocks.contiguous(), (blocks.shape[0], k)
-        # the matrix also in the form its product runs fastest, where it has one: ik's row-interleaved form (Q4_K as
-        # Q4_K_R4, four rows to a block), or llama.cpp's eight-row Q4_K on AVX2; `blocks` stays the file's form
-        # (the switch-off path reads it)
-        self.repacked, self._run = None, self._runner(lib.ms_matmul, self.type_id)
-        if not repack:
-            return
-        iqk = self.product_name == "iqk"
-        if not iqk and not lib.ms_repackable(self.type_id, *self.shape):
-            return
-        packed = torch.empty_like(self.blocks)
-        run_type = lib.ms_repack(self.type_id, self.blocks.data_ptr(), *self.shape, packed.data_ptr())
-        if iqk and run_type >= 0 and rows_alike(lib, run_type, packed[:CHECK_ROWS], k):
-            self.repacked, self._run = packed, self._runner(lib.ms_matmul, run_type)
-        elif not iqk and run_type == 0:
-            self.repacked, self._run = packed, self._runner(lib.ms_matmul_repacked, self.type_id)
-
-    def _runner(self, matmul, type_id: int) -> tuple:
-        """(the product function, the type it is called with, its scratch bytes per activation row)."""
-        return matmul, type_id, self.lib.ms_row_size(self.lib.ms_vec_dot_type(type_id), self.shape[1])
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        (n, k), (matmul, type_id, x_row) = self.shape, self._run
-        x = rows.reshape(-1, k)
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.to(torch.float32).contiguous()
-        if not kernels.enabled():  # the switch off: the file's values in float, the plain product
-            return F.linear(x, dequantize(self.kind, self.blocks, k))
-        m, w = x.shape[0], (self.blocks if self.repacked is None else self.repacked)
-        y = torch.empty(m, n)
-        scratch = torch.empty(min(m, MAX_ROWS) * x_row, dtype=torch.uint8)
-        threads = product_threads()
-        if m <= MAX_ROWS:  # a decode step or a verify pass: one call (a step makes ~170 of them: kept short)
-            matmul(type_id, w.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), scratch.data_ptr(), threads)
-            return y
-        for i in range(0, m, MAX_ROWS):
-            part = x[i:i + MAX_ROWS]
-            matmul(type_id, w.data_ptr(), n, k, part.data_ptr(), part.shape[0], y[i:i + MAX_ROWS].data_ptr(),
-                   scratch.data_ptr(), threads)
-        return y
 
 
 def takes(kind: str, k: int, blocks: torch.Tensor | None = None) -> bool:

@@ -26,9 +26,8 @@ from .cache import AttentionMetadata, PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
-from .forms import Int4Weight, PackedWeight, int4_supported, set_weight
+from .forms import Int4Weight, KeptEmbedding, PackedWeight, int4_supported, set_weight
 from .generate import generate
-from .quantized import KeptEmbedding
 from .speculative import speculate
 from .threads import product_threads, products_at, tuned
 
@@ -200,9 +199,9 @@ class Transformer(nn.Module):
         # a tied head's packed form (to_int4, or a kept quantization: minispec.quantized); the lookup keeps its own
         self.head_packed: PackedWeight | None = None
         # every pass computes a position exactly as a one-token pass does: norms and attention row by row (the
-        # products' forms do their part: minispec.quantized.make_rows_alike sets this for a kept model)
+        # products' forms do their part: minispec.forms.make_rows_alike sets this for a kept model)
         self.rows_alike = False
-        self.ggml_products = False  # some matrices multiplied by ggml's kernels (quantized.install sets it)
+        self.ggml_products = False  # some matrices multiplied by ggml's kernels (forms.install sets it)
         self._fused: fused.Blocks | None | bool = False  # the blocks as one compiled call, built at the first pass
         self.apply(self._init_weights)
         self.init_rope()

@@ -1,12 +1,11 @@
-"""A GGUF file's quantized weights kept as shipped: the stored forms, their checks, and the model they make.
+"""A GGUF file's quantized weights kept as shipped: the kept forms' tensors, their checks, and their values.
 
 `tools/convert_gguf.py --keep-quant` stores each quantized matrix of a GGUF as one or a few tensors
 under the matrix's own name (NAME = e.g. `layers.0.mlp.up_proj.weight`):
 
 - **the file's blocks** (`q4_k`, `q6_k`, `q5_0`, `q8_0`: `BLOCK_FORMS`): `NAME.q4_k` (etc.) uint8 (N, bytes
-  a row), the GGUF's own blocks, byte for byte. What --keep-quant writes for those four types: a CPU
-  multiplies them with llama.cpp's kernels (minispec.ggml) where that library is built, and otherwise
-  makes them into the two forms below at load (`decode_blocks` reads them as ggml does).
+  a row), the GGUF's own blocks, byte for byte. What --keep-quant writes for those four types
+  (`decode_blocks` reads their values as ggml does).
 
 Files written before kept the two forms below, which still load:
 
@@ -16,19 +15,12 @@ Files written before kept the two forms below, which still load:
   sub-blocks of 32, each with a 6-bit scale and min times the block's fp16 d and dmin, products float32
   holds without rounding.
 - **int8 rows** (`q8`): `NAME.q8` int8 (N, K), `NAME.q8_scale` float32 (N,): the weight is `scale * q`,
-  the scale a bf16 value. What every other quantized type becomes (Q6_K, Q5_0, Q8_0, ...): requantized
-  from the file's dequantized values, |error| <= scale / 2 a row (docs/design.md, "Quantized targets",
-  says why and how far that is from the file).
+  the scale a bf16 value, |error| <= scale / 2 a row (docs/design.md, "Quantized targets").
 
-On a CPU with PyTorch's int4 kernel these compute as stored (`install`): an int4 matrix through
-`forms.Int4Weight`, an int8 one through `forms.Int8Weight`, the embedding rows dequantized when
-looked up (`KeptEmbedding`). Elsewhere, or when asked, they are dequantized to float (`dequantize`).
-Either way every product gives a row the same bits whatever the other rows of the pass (the kernels'
-rows are independent; a matrix the kernels cannot take is multiplied row by row), and the model's norms
-and attention are set to do the same (the model's `rows_alike` mode), so a verify pass computes exactly what decode
-steps do: greedy speculation equals greedy generation, as with the bf16 target. A float q, k or v beside
-kept ones (a file may leave one unquantized) joins their product row by row. A non-finite scale or min is
-refused when read (`read_parts`), naming the tensor.
+This module reads: which tensors a form has (`STORED_PARTS`), a file's kept matrices checked before anything is
+built (`split_kept`), their tensors read one at a time (`FileReader`, `read_parts`: a non-finite scale or min is
+refused when read, naming the tensor) and their values (`dequantize`). minispec.forms makes them into the
+products a model computes (`forms.install`).
 """
 
 from __future__ import annotations
@@ -37,11 +29,23 @@ import json
 import struct
 
 import torch
-import torch.nn as nn
 
-from . import ggml, kernels
+from . import ggml
 from .errors import InputError
-from .forms import GROUP, Int4Weight, Int8Weight, PackedWeight, RowWise, Stacked, pack_q4, set_weight, unpack_q4
+
+GROUP = 32  # inputs per int4 group (Q4_K's sub-block)
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """(..., K/2) uint8 -> (..., K) uint8 values 0..15, input 2i from the low nibble."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """(..., K) values 0..15 -> (..., K/2) uint8, the inverse of unpack_q4."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
 
 # form -> its tensors: (suffix, safetensors dtype, shape from the matrix's (N, K))
 STORED_PARTS = {
@@ -139,18 +143,6 @@ def q4_k_groups(raw: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
             "q4_min": (dmin[:, None] * mins).reshape(n, k // GROUP)}
 
 
-def int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A float matrix as the q8 form: one scale a row, the smallest bf16 value >= max |w| / 127 (the kernel
-    computes in bf16 scales, so the stored value is the one computed), q = round(w / scale)."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = (amax / 127).bfloat16()
-    scale = torch.where(scale.float() * 127 < amax, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
-                        scale).float()
-    scale = torch.where(amax > 0, scale, torch.ones_like(scale))  # an all-zero row: q = 0
-    return {"q8": (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), "q8_scale": scale}
-
-
 def _fp16(b: torch.Tensor) -> torch.Tensor:
     """(..., 2) uint8 little-endian fp16 values -> (...) float32."""
     return b.contiguous().view(torch.float16).squeeze(-1).float()
@@ -207,74 +199,6 @@ def dequantize(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return parts["q8"].float() * parts["q8_scale"].float()[..., None]
 
 
-def computed_values(form: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The weights as the CPU's kernels compute them: scales and offsets in bf16 (for an int4 group the kernel's
-    (q - 8) * scale + zero, zero = 8 * scale - min); an int8 row's scale already is bf16."""
-    if form != "q4":  # int8 rows' scales are bf16 already; ggml multiplies a file's blocks as they are
-        return dequantize(form, parts)
-    scale, zero = parts["q4_scale"].float(), 8 * parts["q4_scale"].float() - parts["q4_min"].float()
-    q = unpack_q4(parts["q4"]).float().view(*scale.shape, GROUP) - 8
-    return (q * scale.bfloat16().float()[..., None] + zero.bfloat16().float()[..., None]).flatten(-2)
-
-
-def packed_weight(form: str, parts: dict[str, torch.Tensor]) -> PackedWeight:
-    """A kept matrix as the product the CPU computes: a file's blocks through ggml's kernels (minispec.ggml)
-    where that is built, whatever the kernel switch says at load (switched off, the product multiplies the file's
-    own values: the switch chooses how a product is computed, never what it holds); else its int4 or int8 kernel
-    (a file's blocks made into int4 groups, Q4_K exactly, or int8 rows: the notice `ggml.available` prints says
-    so), else (a shape those kernels do not take) its dequantized values multiplied row by row."""
-    if form in BLOCK_FORMS:
-        blocks = parts[form]
-        _, values, size = ggml.TYPES[form]
-        k = blocks.shape[1] // size * values
-        if ggml.available() and ggml.takes(form, k, blocks):
-            return ggml.GgmlWeight(form, blocks, k)
-        if form == "q4_k":
-            return packed_weight("q4", q4_k_groups(blocks.reshape(-1), blocks.shape[0], k))
-        return packed_weight("q8", int8_rows(decode_blocks(form, blocks)))
-    n, k = parts["q4" if form == "q4" else "q8"].shape
-    k *= 2 if form == "q4" else 1
-    if form == "q4" and Int4Weight.fits((n, k)):
-        return Int4Weight.from_groups(unpack_q4(parts["q4"]), parts["q4_scale"], -parts["q4_min"])
-    if form == "q8" and Int8Weight.fits((n, k)):
-        return Int8Weight(parts["q8"], parts["q8_scale"])
-    return RowWise(dequantize(form, parts))
-
-
-def stacked(forms: list[str], parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
-    """q, k and v as one product: their rows stacked into one matrix when all three have one form, else three
-    products side by side."""
-    if len(set(forms)) == 1:
-        return packed_weight(forms[0], {suffix: torch.cat([p[suffix] for p in parts]) for suffix in parts[0]})
-    return Stacked([packed_weight(f, p) for f, p in zip(forms, parts)])
-
-
-class KeptEmbedding(nn.Module):
-    """An embedding table kept in its stored form: the rows a lookup needs are dequantized (exactly the
-    stored values), the table never is."""
-
-    def __init__(self, form: str, parts: dict[str, torch.Tensor]):
-        super().__init__()
-        self.form, self.parts = form, parts
-        self.num_embeddings = parts[STORED_PARTS[form][0][0]].shape[0]
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.form in BLOCK_FORMS and ids.numel() and kernels.enabled() and ggml.available():
-            # ggml's own dequantization of the rows: the same values (tests/test_ggml.py), in one call, where the
-            # PyTorch decoding takes a few dozen small ones (a third of a millisecond a decode step)
-            blocks = self.parts[self.form][ids.reshape(-1)]
-            _, values, size = ggml.TYPES[self.form]
-            return ggml.dequantize(self.form, blocks, blocks.shape[1] // size * values).view(*ids.shape, -1)
-        return dequantize(self.form, {name: t[ids] for name, t in self.parts.items()})
-
-
-def is_packed(model: nn.Module) -> bool:
-    """Whether any weight of `model` is in a packed form (int4 products or a kept quantization)."""
-    return isinstance(getattr(model, "embed_tokens", None), KeptEmbedding) or any(
-        isinstance(getattr(m, "weight", None), PackedWeight) for m in model.modules()) or isinstance(
-        getattr(model, "head_packed", None), PackedWeight)
-
-
 _ST_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
 
 
@@ -320,48 +244,6 @@ def read_parts(name: str, form: str, read) -> dict[str, torch.Tensor]:
             raise QuantizedCheckpointError(f"tensor {name}.{suffix} holds NaN or inf: the matrix's weights would be "
                                            "too; the file is corrupt: convert its GGUF again")
     return parts
-
-
-def install(model: nn.Module, kept: dict[str, str], read, floats: dict[str, torch.Tensor]) -> None:
-    """Put the kept matrices into `model` (built on the meta device, before its float tensors are loaded) in
-    the form its CPU computes, reading each one's tensors with read(name) only when its turn comes (so the
-    stored and the packed forms of the whole model are never held at once). `make_rows_alike` finishes the model
-    once its float tensors are in. `floats`: the file's float tensors; a float q, k or v beside kept ones (a GGUF
-    may quantize them differently) is taken from it into their product, multiplied row by row."""
-    def parts(name: str) -> dict[str, torch.Tensor]:
-        return read_parts(name, kept[name], read)
-    for name, form in kept.items():
-        if name == "embed_tokens.weight":
-            model.embed_tokens = KeptEmbedding(form, parts(name))
-            if model.lm_head is None:  # a tied head: the product from the same stored values
-                model.head_packed = packed_weight(form, model.embed_tokens.parts)
-        elif (part := name.rsplit(".", 2))[-2] in getattr(attn := model.get_submodule(part[0]), "PROJECTIONS", ()):
-            # layers.i.self_attn's q, k and v (model.Attention names them): packed once, at its first kept one
-            trio = [f"{part[0]}.{p}.weight" for p in attn.PROJECTIONS]
-            if next(n for n in trio if n in kept) != name:
-                continue
-            if all(n in kept for n in trio):
-                set_weight(attn.qkv_proj, stacked([kept[n] for n in trio], [parts(n) for n in trio]))
-            else:
-                set_weight(attn.qkv_proj, Stacked([packed_weight(kept[n], parts(n)) if n in kept
-                                                   else RowWise(floats.pop(n).float().clone()) for n in trio]))
-        else:
-            set_weight(model.get_submodule(name.rsplit(".", 1)[0]), packed_weight(form, parts(name)))
-    model.ggml_products = any(isinstance(w, ggml.GgmlWeight) or isinstance(w, Stacked) and any(
-        isinstance(p, ggml.GgmlWeight) for p in w.parts) for w in (
-        [getattr(m, "weight", None) for m in model.modules()] + [model.head_packed]))
-
-
-def make_rows_alike(model: nn.Module) -> None:
-    """Make every pass of a kept model compute a position exactly as a one-token pass does: float matrices (a
-    GGUF's F16 or F32 ones) multiplied row by row, and the model's one mode, `rows_alike`, for its norms and
-    attention."""
-    model.rows_alike = True
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor):
-            set_weight(m, RowWise(m.weight.detach()))
-    if model.lm_head is None and model.head_packed is None and not isinstance(model.embed_tokens, KeptEmbedding):
-        model.head_packed = RowWise(model.embed_tokens.weight.detach())
 
 
 def dequantized(kept: dict[str, str], read) -> dict[str, torch.Tensor]:

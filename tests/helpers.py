@@ -79,7 +79,8 @@ def truncated(target: Transformer, n_layers: int = 2, max_seq_len: int | None = 
 def kept_int4(model: Transformer, path: Path) -> Transformer:
     """`model` with every matrix the int4 kernel takes stored in the kept int4 form (minispec.quantized: groups of
     32, each group's range in 15 steps) at `path`, loaded back: an int4 target computed as a GGUF's would be."""
-    from minispec.forms import Int4Weight, int4_groups, pack_q4
+    from minispec.forms import Int4Weight, int4_groups
+    from minispec.quantized import pack_q4
 
     tensors = {}
     for name, t in model.state_dict().items():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from minispec import ggml
+from minispec import forms, ggml
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -71,7 +71,7 @@ def test_ggml_reads_the_file_values_gguf_reads(kind, monkeypatch):
 def test_product_within_the_activation_rounding_of_the_float_product(kind, repack, product):
     n, k = 40, 1024
     raw = blocks(kind, n, k, 2)
-    w = ggml.GgmlWeight(kind, torch.from_numpy(raw), k, repack=repack)
+    w = forms.GgmlWeight(kind, torch.from_numpy(raw), k, repack=repack)
     assert w.product_name == product
     exact = values(raw, kind, n, k).double()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
@@ -89,7 +89,7 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack, prod
     # an output count no thread split divides evenly: 17 tiles of llama.cpp's 8 rows, 9 of ik's 16-row interleaved
     # forms (which take whole multiples of 16)
     n, k = (136 if product == "ggml" else 144), 768
-    w = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k, repack=repack)
+    w = forms.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k, repack=repack)
     assert w.product_name == product
     if product == "iqk" and kind in ("q4_k", "q6_k"):  # interleaved (Q4_K_R4, Q6_K_R4), rows alike as built
         assert (w.repacked is not None) == repack
@@ -109,7 +109,7 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack, prod
     finally:
         torch.set_num_threads(before)
     # the negative control: a row computed with other weights differs (the comparison can fail)
-    other = ggml.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 7)), k)
+    other = forms.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 7)), k)
     assert not torch.equal(other(x[:1]), alone[:1])
 
 
@@ -118,7 +118,7 @@ def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form(mo
     monkeypatch.setenv("MINISPEC_PRODUCT", "ggml")
     n, k = 64, 512
     raw = torch.from_numpy(blocks("q4_k", n, k, 10))
-    packed, plain = ggml.GgmlWeight("q4_k", raw, k), ggml.GgmlWeight("q4_k", raw, k, repack=False)
+    packed, plain = forms.GgmlWeight("q4_k", raw, k), forms.GgmlWeight("q4_k", raw, k, repack=False)
     assert plain.repacked is None
     assert (packed.repacked is not None) == bool(ggml._library().ms_repackable(12, n, k))
     if packed.repacked is None:
@@ -131,13 +131,13 @@ def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form(mo
     from minispec import kernels
     with kernels.plain():
         assert torch.equal(packed(x), torch.nn.functional.linear(x, values(raw.numpy(), "q4_k", n, k)))
-    assert ggml.GgmlWeight("q4_k", raw[:60], k).repacked is None  # 60 rows: not eight to a tile
+    assert forms.GgmlWeight("q4_k", raw[:60], k).repacked is None  # 60 rows: not eight to a tile
 
 
 @needs_library
 def test_wrong_block_bytes_are_one_line_errors():
     with pytest.raises(ValueError, match="rows of 288 bytes") as e:
-        ggml.GgmlWeight("q4_k", torch.zeros(4, 287, dtype=torch.uint8), 512)
+        forms.GgmlWeight("q4_k", torch.zeros(4, 287, dtype=torch.uint8), 512)
     assert "\n" not in str(e.value)
 
 
@@ -183,17 +183,17 @@ def test_the_load_time_check_refuses_a_form_whose_rows_depend_on_the_pass(monkey
 def test_the_product_is_chosen_at_load_and_falls_back_where_ik_has_none(monkeypatch):
     raw = torch.from_numpy(blocks("q4_k", 16, 512, 8))
     monkeypatch.delenv("MINISPEC_PRODUCT", raising=False)
-    assert ggml.GgmlWeight("q4_k", raw, 512).product_name == ("iqk" if BUILT["iqk"] else "ggml")
+    assert forms.GgmlWeight("q4_k", raw, 512).product_name == ("iqk" if BUILT["iqk"] else "ggml")
     monkeypatch.setenv("MINISPEC_PRODUCT", "fastest")
     with pytest.raises(ValueError, match="MINISPEC_PRODUCT must be one of iqk, ggml") as e:
-        ggml.GgmlWeight("q4_k", raw, 512)
+        forms.GgmlWeight("q4_k", raw, 512)
     assert "\n" not in str(e.value)
     monkeypatch.delenv("MINISPEC_PRODUCT")
     # ik's activation rows are whole groups of 128 values: a Q8_0 matrix of 96 inputs goes to llama.cpp's product
     q8 = torch.from_numpy(blocks("q8_0", 16, 96, 9))
     assert ggml.takes("q8_0", 96) == BUILT["ggml"]
     if BUILT["ggml"]:
-        assert ggml.GgmlWeight("q8_0", q8, 96).product_name == "ggml"
+        assert forms.GgmlWeight("q8_0", q8, 96).product_name == "ggml"
 
 
 @needs_library
@@ -201,7 +201,7 @@ def test_the_switch_off_multiplies_the_file_values_plainly(product):
     from minispec import kernels
     n, k = 16, 512
     raw = blocks("q4_k", n, k, 8)
-    w = ggml.GgmlWeight("q4_k", torch.from_numpy(raw), k)
+    w = forms.GgmlWeight("q4_k", torch.from_numpy(raw), k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
     with kernels.plain():
         got = w(x)
@@ -218,7 +218,7 @@ def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
     kept = kept_blocks(float_model, tmp_path / "kept")
     assert kept.ggml_products and not float_model.ggml_products  # the flag the step reads, set at load
     seen = []
-    real = ggml.GgmlWeight.product
+    real = forms.GgmlWeight.product
 
     def product(self, rows):
         seen.append((torch.get_num_threads(), threads._local.threads))
@@ -233,11 +233,11 @@ def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
             assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError), threads.products_at(2):
             raise RuntimeError("a failed step")
-        ggml.GgmlWeight.product = product
+        forms.GgmlWeight.product = product
         try:
             kept.generate([1, 2, 3], max_new_tokens=2)
         finally:
-            ggml.GgmlWeight.product = real
+            forms.GgmlWeight.product = real
         assert seen and all(torch_n == 1 and own >= 1 for torch_n, own in seen)  # PyTorch at one in every step
         assert torch.get_num_threads() == 2
     finally:

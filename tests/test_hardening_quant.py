@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from test_quantized import TENSORS, quantized_gguf, rewrite
 
-from minispec import Transformer, quantized
+from minispec import Transformer, forms, quantized
 from minispec.checkpoint import CheckpointError
 from minispec.errors import GenerationError, InputError
 from minispec.forms import RowWise, Stacked
@@ -94,7 +94,7 @@ def test_fuzz_non_finite_scales_anywhere_are_refused(tmp_path, capsys):
 def test_the_conversion_table_shows_a_nan_distance_as_nan(tmp_path, monkeypatch):
     """Python's max(0.0, nan) is 0.0: the table used to print a NaN distance as an exact 0."""
     nan_values = lambda form, parts: torch.full_like(quantized.dequantize(form, parts), float("nan"))  # noqa: E731
-    monkeypatch.setattr(quantized, "computed_values", nan_values)
+    monkeypatch.setattr(forms, "computed_values", nan_values)
     errors = {}
     convert_gguf.convert(quantized_gguf(tmp_path / "tiny.gguf"), tmp_path / "out", keep_quant=True,
                          progress=False, errors=errors)
@@ -141,7 +141,7 @@ def test_a_float_projection_beside_kept_ones_converts_and_loads(tmp_path, floats
     assert convert_gguf.main([str(src), str(tmp_path / "out"), "--keep-quant", "--quiet"]) == 0
     kept = Transformer.from_pretrained(tmp_path / "out")  # the default load: kept where kept
     qkv = kept.layers[0].self_attn.qkv_proj.weight
-    assert isinstance(qkv, Stacked) and quantized.is_packed(kept)
+    assert isinstance(qkv, Stacked) and forms.is_packed(kept)
     assert [isinstance(p, RowWise) for p in qkv.parts] == [p in floats for p in ("q", "k", "v")]
     plain = Transformer.from_pretrained(tmp_path / "out", int4=False)
     x = torch.tensor([[1, 5, 3, 9, 4, 12, 7, 2]])
@@ -156,7 +156,7 @@ def test_the_converters_check_is_the_default_load(tmp_path, monkeypatch):
     """A kept checkpoint that the default (packed) load refuses is not written, even if a dequantized load works."""
     def refuse(*args):
         raise quantized.QuantizedCheckpointError("refused by the packed load")
-    monkeypatch.setattr(quantized, "install", refuse)
+    monkeypatch.setattr(forms, "install", refuse)
     with pytest.raises(InputError, match="does not load .*refused by the packed load"):
         convert_gguf.convert(quantized_gguf(tmp_path / "tiny.gguf"), tmp_path / "out", keep_quant=True,
                              progress=False)

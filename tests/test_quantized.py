@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minispec import Transformer, ggml, kernels, quantized
+from minispec import Transformer, forms, ggml, kernels, quantized
 from minispec.checkpoint import CheckpointError
 from minispec.errors import InputError
 from minispec.forms import Int4Weight, Int8Weight, Stacked
@@ -73,11 +73,11 @@ def test_q4_k_as_the_kernel_computes_it_within_bf16_of_its_scales():
     scale, zero = parts["q4_scale"], 8 * parts["q4_scale"] - parts["q4_min"]
     # (q - 8) * scale + zero with scale and zero rounded to bf16: at most 8 |scale| + |zero| times bf16's step
     bound = ((8 * scale.abs() + zero.abs()) * BF16_STEP).repeat_interleave(32, dim=1)
-    computed = quantized.computed_values("q4", parts)
+    computed = forms.computed_values("q4", parts)
     assert ((computed - exact).abs() <= bound).all()
     assert (computed - exact).abs().max() > 0  # the bound is not vacuous: bf16 scales do round
     # the kernel multiplies by exactly those values (its output is bf16: one more rounding)
-    got = quantized.packed_weight("q4", parts)(torch.eye(k)).t()
+    got = forms.packed_weight("q4", parts)(torch.eye(k)).t()
     assert ((got - computed).abs() <= computed.abs() * BF16_STEP).all()
 
 
@@ -89,15 +89,15 @@ def test_other_types_become_int8_rows_within_half_a_step(kind):
     else:
         raw = gguf.quants.quantize(np.random.default_rng(5).normal(0, 0.05, (n, k)).astype(np.float32), kind)
     exact = dequantized(raw, kind, n, k)
-    parts = quantized.int8_rows(exact)
+    parts = forms.int8_rows(exact)
     stored = quantized.dequantize("q8", parts)
     assert ((stored - exact).abs() <= parts["q8_scale"][:, None] * (0.5 + 1e-6)).all()
     assert torch.equal(parts["q8_scale"], parts["q8_scale"].bfloat16().float())  # the kernel's scale, exactly
-    assert torch.equal(quantized.computed_values("q8", parts), stored)
+    assert torch.equal(forms.computed_values("q8", parts), stored)
 
 
 def test_int8_rows_of_a_zero_row_are_zero():
-    parts = quantized.int8_rows(torch.zeros(2, 64))
+    parts = forms.int8_rows(torch.zeros(2, 64))
     assert torch.equal(quantized.dequantize("q8", parts), torch.zeros(2, 64))
 
 
@@ -184,7 +184,7 @@ def kept(kept_dir, request) -> Transformer:
 
 def test_the_kept_model_computes_in_the_kept_forms(kept):
     layer = kept.layers[0]
-    assert isinstance(kept.embed_tokens, quantized.KeptEmbedding)
+    assert isinstance(kept.embed_tokens, forms.KeptEmbedding)
     assert isinstance(layer.self_attn.qkv_proj.weight, Stacked)  # q, k in Q4_K beside a Q6_K v
     if kept.path != "pytorch":
         parts = layer.self_attn.qkv_proj.weight.parts
@@ -195,12 +195,12 @@ def test_the_kept_model_computes_in_the_kept_forms(kept):
     else:  # the file's blocks made into int4 groups (Q4_K, exactly) and int8 rows at load
         assert isinstance(layer.mlp.gate_proj.weight, Int4Weight)
         assert isinstance(layer.mlp.down_proj.weight, Int8Weight) and isinstance(kept.lm_head.weight, Int8Weight)
-    assert kept.dtype == torch.float32 and quantized.is_packed(kept)
+    assert kept.dtype == torch.float32 and forms.is_packed(kept)
 
 
 def test_the_kept_model_is_close_to_its_stored_values_in_fp32(kept, kept_dir):
     plain = Transformer.from_pretrained(kept_dir, int4=False)  # the stored values, dequantized to fp32
-    assert not quantized.is_packed(plain)
+    assert not forms.is_packed(plain)
     x = torch.tensor([[1, 5, 3, 9, 4, 12, 7, 2]])
     a, b = kept(x), plain(x)
     # within a few % of the logits' range: PyTorch's kernels take bf16 activations and scales (2% bounds it), ggml's
@@ -319,7 +319,7 @@ def in_earlier_forms(t: dict) -> dict:
         blocks = t.pop(name)
         n, k = blocks.shape[0], blocks.shape[1] // ggml.TYPES[kind][2] * ggml.TYPES[kind][1]
         parts = (quantized.q4_k_groups(blocks.reshape(-1), n, k) if kind == "q4_k" else
-                 quantized.int8_rows(quantized.decode_blocks(kind, blocks)))
+                 forms.int8_rows(quantized.decode_blocks(kind, blocks)))
         t.update({f"{base}.{suffix}": v for suffix, v in parts.items()})
     return t
 
@@ -360,7 +360,7 @@ def test_a_bad_kept_checkpoint_is_refused_in_one_line(kept_dir, tmp_path, case, 
     change, why = BAD[case]
     bad = rewrite(kept_dir, tmp_path / "bad", change)
     built = []
-    monkeypatch.setattr(quantized, "install", lambda *a: built.append(a))
+    monkeypatch.setattr(forms, "install", lambda *a: built.append(a))
     with pytest.raises(CheckpointError, match=why) as e:
         Transformer.from_pretrained(bad)
     assert "\n" not in str(e.value) and not built  # refused before any model was built
@@ -443,7 +443,7 @@ def test_a_kept_embedding_looks_up_the_files_values_by_either_decoder(kind):
     else:
         raw = gguf.quants.quantize(np.random.default_rng(5).normal(0, 0.06, (n, k)).astype(np.float32), kind)
     form = kind.name.lower()
-    table = quantized.KeptEmbedding(form, {form: torch.from_numpy(raw.reshape(n, -1))})
+    table = forms.KeptEmbedding(form, {form: torch.from_numpy(raw.reshape(n, -1))})
     ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
     got = table(ids)
     with kernels.plain():

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minispec import forms, ggml, kernels, quantized
+from minispec import forms, ggml, kernels
 
 SHAPES = {"q/o 1536x1536": (1536, 1536), "k/v 256x1536": (256, 1536), "gate/up 8960x1536": (8960, 1536),
           "down 1536x8960": (1536, 8960), "head 151936x1536": (151936, 1536)}
@@ -62,7 +62,7 @@ def candidates(n: int, k: int, seed: int) -> dict:
         try:
             for kind in ("q4_k", "q6_k"):
                 if ggml.takes(kind, k):
-                    gw = ggml.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
+                    gw = forms.GgmlWeight(kind, random_blocks(kind, n, k, seed), k)
                     out[f"{product} {kind}"] = (gw.product, gw.blocks.numel())
         finally:
             os.environ.pop("MINISPEC_PRODUCT") if before is None else os.environ.update(MINISPEC_PRODUCT=before)
@@ -74,7 +74,7 @@ def candidates(n: int, k: int, seed: int) -> dict:
     out["fbgemm int8"] = (fb, n * k + n * 4)
     i4 = forms.Int4Weight(w)
     out["aten int4"] = (i4.product, i4.packed.numel() * i4.packed.element_size() + i4.scales.numel() * 2)
-    parts = quantized.int8_rows(w)
+    parts = forms.int8_rows(w)
     i8 = forms.Int8Weight(parts["q8"], parts["q8_scale"])
     out["aten int8"] = (i8.product, n * k + n * 2)
     wb = w.bfloat16()
@@ -103,14 +103,14 @@ def model_passes(path: str, reps: int) -> None:
     seq = cache.new_sequence()
     model.step(cache, [seq], [list(range(100, 164))])
     spent = [0.0]
-    inner = ggml.GgmlWeight.product
+    inner = forms.GgmlWeight.product
 
     def timed(self, rows):
         t0 = time.perf_counter()
         out = inner(self, rows)
         spent[0] += time.perf_counter() - t0
         return out
-    ggml.GgmlWeight.product = timed
+    forms.GgmlWeight.product = timed
     nbytes = packed_bytes(model)
     try:
         for rows in (1, 5, 9):
@@ -132,7 +132,7 @@ def model_passes(path: str, reps: int) -> None:
                   f"{100 * statistics.median(shares):3.0f}% of it, {nbytes / 1e9:.3f} GB of matrices "
                   f"({nbytes / ms / 1e6:5.1f} GB/s)", flush=True)
     finally:
-        ggml.GgmlWeight.product = inner
+        forms.GgmlWeight.product = inner
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     gguf = None
 
-from minispec import protobuf, quantized
+from minispec import forms, protobuf, quantized
 from minispec.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_output_dir, check_state_dict, expected_tensors
 from minispec.config import MAX_COUNT, ModelConfig
 from minispec.errors import InputError, one_line, out_of_memory, show
@@ -623,7 +623,7 @@ class KeptTensor:
             if self.form in quantized.BLOCK_FORMS:
                 chunk = {self.form: torch.from_numpy(np.array(rows, dtype=np.uint8))}  # a writable copy
             else:
-                chunk = quantized.int8_rows(exact)
+                chunk = forms.int8_rows(exact)
             bad = next((v for v in (exact, *chunk.values()) if v.is_floating_point() and not torch.isfinite(v).all()),
                        None)
             if bad is not None:
@@ -634,7 +634,7 @@ class KeptTensor:
             for s, p in chunk.items():
                 parts[s][i:i + len(exact)] = p
             stored = quantized.dequantize(self.form, chunk)
-            computed = quantized.computed_values(self.form, chunk)
+            computed = forms.computed_values(self.form, chunk)
             worst[1:] = [_worst(worst[1], float((stored - exact).abs().max())),
                          _worst(worst[2], float((computed - exact).abs().max())),
                          _worst(worst[3], float(exact.abs().max()))]
