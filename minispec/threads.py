@@ -24,7 +24,8 @@ it would run at two under the load for good); a slow step at one thread sends it
 threads would not help a busier machine). A try of more threads than the best also needs the cores
 for them: where the machine says how idle its CPUs were (Linux's /proc/stat), a try is skipped while
 fewer cores sat idle than it would add, so under a lasting load the tuner stops paying for tries that
-can only lose, and tries again once a core is free.
+can only lose, and tries again once a core is free. One tuner serves every thread of the process (a server's
+pool may step several models at once): a lock keeps one step's choice within its own caller's count.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ThreadTuner:
         self.candidates: list[int] = []
         self.set_ceiling(max_threads or get_threads())
         self.sleep = sleep
+        self.lock = threading.Lock()
 
     def set_ceiling(self, top: int) -> None:
         """Tune within `top` threads: the candidates are top, top // 2, ... down to 1."""
@@ -156,12 +158,18 @@ class ThreadTuner:
         """Run one step of this kind with the chosen thread count, within the caller's count (the ceiling),
         record its time, and set the caller's count back."""
         caller = self.get_threads()
-        self.set_ceiling(self.max_threads or caller)
-        n = self.choose(kind)
+        # one lock over the shared ceiling and tables: steps of other threads (a server's pool) would otherwise
+        # swap the ceiling between this one's set_ceiling and choose, and run it above its caller's count
+        with self.lock:
+            self.set_ceiling(self.max_threads or caller)
+            ceiling, n = self.ceiling, self.choose(kind)
         with at_threads(n, caller, self.set_threads):
             t0 = self.clock()
             yield n
-            self.record(kind, n, self.clock() - t0)
+            seconds = self.clock() - t0
+        with self.lock:
+            self.set_ceiling(ceiling)  # recorded under the ceiling it was chosen under
+            self.record(kind, n, seconds)
 
 
 @contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -258,3 +260,39 @@ def test_a_bad_environment_does_not_break_import():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "must be" in out.stdout
+
+
+def test_a_step_never_runs_above_its_callers_count_while_another_thread_steps():
+    counts = threading.local()  # each thread's own "torch.set_num_threads", as PyTorch keeps it per thread
+    get = lambda: getattr(counts, "n", 2)  # noqa: E731
+
+    def put(n):
+        counts.n = n
+    tuner = ThreadTuner(set_threads=put, get_threads=get, min_gap=1, max_gap=1)
+    choose = tuner.choose
+
+    def choose_after_a_switch(kind):  # the other thread gets the interpreter at the worst moment
+        time.sleep(0)
+        return choose(kind)
+    tuner.choose = choose_after_a_switch
+    seen, stop = [], threading.Event()
+
+    def busy():  # another thread's steps, at its caller's 2
+        counts.n = 2
+        while not stop.is_set():
+            with tuner.step(("other",)):
+                pass
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the interpreter between the threads as often as it will go
+    other = threading.Thread(target=busy)
+    other.start()
+    try:
+        put(1)  # this thread's caller runs at one thread
+        for _ in range(1000):
+            with tuner.step(("mine",)) as n:
+                seen.append((n, get()))
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(before)
+    assert {n for n, _ in seen} == {1} and {inside for _, inside in seen} == {1}
