@@ -81,7 +81,7 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     probs = probs.double().cpu()
     cdf = probs.cumsum(-1)  # (B, V)
     total = cdf[:, -1]
-    ok = torch.isfinite(total) & (total > 0) & (probs >= 0).all(-1)
+    ok = torch.isfinite(total) & (total > 0) & (probs.amin(-1) >= 0)  # amin: NaN if any is (a tenth of all()'s time)
     if not bool(ok.all()):
         raise SamplingError(f"probability row {int((~ok).nonzero()[0])} has no mass, a NaN or a negative entry: "
                             "nothing can be sampled from it (check the logits and the temperature, top_k and top_p "
