@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import ggml
 from .checkpoint import CheckpointError, check_head_ids
 from .config import DTYPES, ModelConfig, read_json
 from .errors import check_compatible, one_line, show
@@ -30,8 +31,9 @@ def load_draft(path, target, dtype: str | None = None, device=None):
 
     dtype: a DTYPES name, "int4" (int4 products, on a CPU), or None: as its config.json says (int4 on a CPU
     where it says so), else as stored, except that a bfloat16 draft computes in the target's dtype on a CPU,
-    where bf16 has no fast kernels on most machines (docs/benchmarks.md, "bf16 target"). The output stays the
-    target's whatever the draft's form."""
+    where bf16 has no fast kernels on most machines (docs/benchmarks.md, "bf16 target"), and that a feature draft
+    on a CPU with a built product library computes its products as Q8_0 blocks through it (`FeatureDraft.to_blocks`;
+    a dtype given keeps it float). The output stays the target's whatever the draft's form."""
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"a draft is a directory path (a str or os.PathLike), got {show(path)}")
     path = Path(path)
@@ -57,7 +59,8 @@ def load_draft(path, target, dtype: str | None = None, device=None):
 
 def load_feature_draft(path: Path, target, config: dict, dtype: str | None = None, device=None) -> FeatureDraft:
     """A feature draft's module, checked against the target before anything is built, its tensors checked
-    against its config before they are loaded. fp32 unless `dtype` says otherwise ("int4" on a CPU)."""
+    against its config before they are loaded. fp32 unless `dtype` says otherwise ("int4" on a CPU); given no dtype,
+    on a CPU where a product library is built, its products in Q8_0 blocks (`FeatureDraft.to_blocks`)."""
     from safetensors import SafetensorError, safe_open
 
     check_feature_draft(config, target, str(path))
@@ -97,4 +100,6 @@ def load_feature_draft(path: Path, target, config: dict, dtype: str | None = Non
     draft = draft.to(device=device or target.device, dtype=float_dtype)
     if dtype == "int4" or (dtype is None and config.get("int4") and draft.device.type == "cpu"):
         draft.to_int4()
+    elif dtype is None and draft.device.type == "cpu" and ggml.available():
+        draft.to_blocks()  # Q8_0 through the compiled product: a quarter of fp32's bytes a draft step
     return draft

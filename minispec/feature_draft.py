@@ -24,14 +24,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import kernels
+from . import ggml, kernels
 from .cache import PagedKVCache
 from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .drafters import Drafter, add_picks, as_proposal, draw_exact, draw_step
 from .errors import GenerationError, is_int, show
-from .forms import Int4Weight, int4_supported, set_weight
+from .forms import GgmlWeight, Int4Weight, int4_supported, set_weight
 from .model import Block, RMSNorm, Transformer
+from .threads import products_at
 
 KIND = "feature-draft"  # config.json's "kind" for a feature draft directory
 
@@ -109,7 +110,9 @@ class FeatureDraft(nn.Module):
         if meta.mask is not None:  # additive, as Transformer.step makes it
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
-        with kernels.resolved():
+        # with compiled products (to_blocks): they run on their own threads and PyTorch at one meanwhile
+        blocks = torch.get_num_threads() if getattr(self, "blocks", None) else None
+        with kernels.resolved(), products_at(blocks):
             pred = self.forward_states(pad(states).view(-1, T, D), pad(embeds).view(-1, T, D), cache.kv[0], meta,
                                        meta.positions)
         return pred[torch.arange(len(seqs)), torch.tensor(n_new) - 1]
@@ -123,6 +126,20 @@ class FeatureDraft(nn.Module):
             if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor) and Int4Weight.fits(m.weight.shape):
                 set_weight(m, Int4Weight(m.weight.float()))
         self.int4 = True
+        return self.to(torch.float32)
+
+    def to_blocks(self, kind: str = "q8_0") -> FeatureDraft:
+        """Every product a compiled product takes as `kind` blocks (minispec.ggml's quantizer, Q8_0 by default: an
+        int8 value and one fp16 scale a block of 32, a quarter of fp32's bytes), multiplied like a kept target's
+        matrices; the rest stay float. In place, on a CPU where a product library is built; returns self. A draft's
+        precision is free: speculation stays exact with respect to the target alone."""
+        if self.device.type != "cpu" or not ggml.available():
+            raise ValueError("block products need a built product library (python tools/build_ggml.py) and a CPU")
+        for m in self.modules():
+            w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
+            if isinstance(w, torch.Tensor) and w.shape[1] % ggml.TYPES[kind][1] == 0 and ggml.takes(kind, w.shape[1]):
+                set_weight(m, GgmlWeight(kind, ggml.quantize(kind, w), w.shape[1]))
+        self.blocks = kind
         return self.to(torch.float32)
 
     # ---- files

@@ -56,6 +56,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     lib.ms_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p, ctypes.c_int]
     lib.ms_repack.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
+    if hasattr(lib, "ms_quantize"):
+        lib.ms_quantize.argtypes = [ctypes.c_int, p, i64, i64, p]
     if hasattr(lib, "ms_repackable"):  # llama.cpp's: its repacked Q4_K product
         lib.ms_repackable.argtypes = [ctypes.c_int, i64, i64]
         lib.ms_matmul_repacked.argtypes = lib.ms_matmul.argtypes
@@ -153,4 +155,18 @@ def dequantize(kind: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
     if lib is None or lib.ms_dequantize(TYPES[kind][0], blocks.contiguous().data_ptr(), blocks.shape[0], k,
                                         out.data_ptr()) != 0:
         raise ValueError(f"ggml cannot dequantize {kind} here")
+    return out
+
+
+def quantize(kind: str, w: torch.Tensor) -> torch.Tensor:
+    """A float matrix (N, K) as N rows of `kind` blocks (uint8, N x row bytes), by ggml's own quantizer (Q8_0, Q4_0
+    or Q5_0: the block types that need no importance matrix), for a draft whose products should go through the
+    compiled product; ValueError where no built library quantizes it."""
+    lib = _iqk_library() or _library()
+    n, k = w.shape
+    out = torch.empty(n, row_bytes(kind, k), dtype=torch.uint8)
+    x = w.detach().to(torch.float32).contiguous()
+    if lib is None or not hasattr(lib, "ms_quantize") or lib.ms_quantize(TYPES[kind][0], x.data_ptr(), n, k,
+                                                                         out.data_ptr()) != 0:
+        raise ValueError(f"no built library quantizes a {n} x {k} matrix to {kind} here")
     return out

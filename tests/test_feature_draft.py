@@ -8,6 +8,7 @@ it is handed are the right ones); the Monte Carlo test (test_speculative_mc.py) 
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minispec import Transformer, load_draft
+from minispec import Transformer, ggml, load_draft
 from minispec.feature_draft import FeatureDrafter, build_feature_draft
+from minispec.forms import GgmlWeight
 from minispec.speculative import get_sampler
 
 from helpers import ROOT, TOOLS, peaked_model
@@ -276,3 +278,29 @@ def test_the_default_prompts_are_the_repositorys():
     from pathlib import Path
 
     assert Path(tfd.PROMPTS) == ROOT / "data" / "distill" / "prompts.jsonl" and Path(tfd.PROMPTS).is_file()
+
+
+needs_products = pytest.mark.skipif(not ggml.available(), reason="no product library built (tools/build_ggml.py)")
+
+
+@needs_products
+def test_a_draft_in_q8_0_blocks_is_loaded_by_default_and_still_exact(pair, tmp_path):
+    target, draft, _ = pair
+    draft.save(tmp_path / "d", None)
+    blocks, plain = load_draft(tmp_path / "d", target), load_draft(tmp_path / "d", target, dtype="float32")
+    kinds = {type(m.weight).__name__ for m in blocks.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert "GgmlWeight" in kinds and blocks.model.blocks == "q8_0"
+    assert not any(isinstance(m.weight, GgmlWeight) for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    for prompt in ([1, 2, 3], [5], [7, 7, 2, 9, 4]):
+        want = target.generate(prompt, max_new_tokens=12, stop_tokens=[])
+        for k in (1, 3, 5):
+            assert target.speculate(blocks, prompt, k=k, max_new_tokens=12, stop_tokens=[]).tokens == want
+
+
+@needs_products
+def test_a_draft_in_q8_0_blocks_keeps_the_targets_distribution(mc_models):
+    draft = copy.deepcopy(mc_models["draft"]).to_blocks()
+    assert any(isinstance(m.weight, GgmlWeight) for m in draft.modules() if isinstance(m, torch.nn.Linear))
+    p, stats = mc_run(mc_models, FeatureDrafter(draft, mc_models["target"]), 3, 0.7, 4, 0.9)
+    assert 0 < stats.acceptance_rate < 1
+    assert p > 1e-4, f"speculate's distribution with a Q8_0 feature draft differs from the target's: p = {p:.3g}"
