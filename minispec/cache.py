@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from .errors import check_int
-from .passes import AttentionMetadata, TokenTrees, prepare
+from .passes import TokenTrees
 
 MAX_BLOCK_SIZE = 2**16  # tokens per block: a block is allocated whole, so its size bounds the smallest allocation
 
@@ -238,11 +238,6 @@ class PagedKVCache:
         """Pool slots of the tokens `seq` holds from position `start` on, in order."""
         bs, table = self.block_size, self.tables[seq]
         return [table[t // bs] * bs + t % bs for t in range(start, self.lengths[seq])]
-
-    def prepare(self, seqs: list[int], n_new: list[int], parents: list[list[int] | None] | None = None
-                ) -> AttentionMetadata:
-        """passes.prepare on this cache: the model's steps ask the cache they are handed for a pass's metadata."""
-        return prepare(self, seqs, n_new, parents)
 
     def check_consistency(self) -> None:
         """Assert that the refcounts equal the block-table references (used by the tests)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ggml, kernels
+from . import ggml, kernels, passes
 from .cache import PagedKVCache
 from .checkpoint import CheckpointError
 from .config import ModelConfig
@@ -106,7 +106,7 @@ class FeatureDraft(nn.Module):
         n_new = [len(s) for s in states]
         T, D = max(n_new), self.target_dim
         pad = lambda rows: torch.stack([F.pad(r.to(self.dtype), (0, 0, 0, T - len(r))) for r in rows])  # noqa: E731
-        meta = cache.prepare(seqs, n_new)
+        meta = passes.prepare(cache, seqs, n_new)
         if meta.mask is not None:  # additive, as Transformer.step makes it
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))

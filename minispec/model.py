@@ -21,13 +21,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fused, kernels
-from .cache import AttentionMetadata, PagedKVCache
+from . import fused, kernels, passes
+from .cache import PagedKVCache
 from .checkpoint import load_pretrained, save_pretrained
 from .config import DTYPES, ModelConfig
 from .errors import check_token_ids, resolve_device, resolve_dtype
 from .forms import Int4Weight, KeptEmbedding, PackedWeight, int4_supported, set_weight
 from .generate import generate
+from .passes import AttentionMetadata
 from .speculative import speculate
 from .threads import product_threads, products_at, tuned
 
@@ -342,7 +343,7 @@ class Transformer(nn.Module):
         whole prompt). Returns fp32 logits: (B, vocab) for each sequence's last new token, or with all_logits
         (B, T, vocab) for every new token (right-padded to T = max length); with hidden, the final (normed)
         hidden states (B, T, dim), for a caller that applies `logits()` only where it needs them. parents (a tree
-        round): each new token's parent index in its sequence (PagedKVCache.prepare): it attends its ancestors
+        round): each new token's parent index in its sequence (passes.prepare): it attends its ancestors
         only, at the position of its depth."""
         n_new = [len(t) for t in new_tokens]
         if min(n_new) < 1:
@@ -354,7 +355,7 @@ class Transformer(nn.Module):
         T = max(n_new)
         padded = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens], dtype=torch.long)  # (B, T)
         check_token_ids(padded, self.config.vocab_size)
-        meta = cache.prepare(seqs, n_new, parents)
+        meta = passes.prepare(cache, seqs, n_new, parents)
         if meta.mask is not None:  # additive, in the activations' dtype: built once here, not in every layer
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))

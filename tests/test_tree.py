@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minispec import PagedKVCache
+from minispec import PagedKVCache, passes
 from minispec.errors import GenerationError
 from minispec.passes import keep_path
 from minispec.speculative import greedy_tree_verify, residual, tree_verify, verify
@@ -26,7 +26,7 @@ def small_cache(num_blocks=16, block_size=3):
 def append(cache, seq, values, parents=None):
     """Append tokens (with parents: tree tokens) whose K entries are their values, as a model pass would."""
     start = cache.length(seq)
-    cache.prepare([seq], [len(values)], None if parents is None else [parents])
+    passes.prepare(cache, [seq], [len(values)], None if parents is None else [parents])
     slots = cache.slots(seq, start)
     cache.k[:, slots] = torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1)
 
@@ -59,7 +59,7 @@ def test_the_metadata_of_a_tree_pass():
     c = small_cache()
     s = c.new_sequence()
     append(c, s, [0])
-    meta = c.prepare([s], [5], [[0, 1, 1, 2, 4]])
+    meta = passes.prepare(c, [s], [5], [[0, 1, 1, 2, 4]])
     # token 1 again (a chain), 2 and 3 its children, 4 under 2, 5 under 4
     assert meta.positions[0].tolist() == [1, 2, 2, 3, 4]
     visible = meta.mask[0, 0].int().tolist()
@@ -73,8 +73,8 @@ def test_the_metadata_of_a_tree_pass():
 def test_path_moves_are_plain_bookkeeping():
     c = small_cache(block_size=2)
     s = c.new_sequence()
-    c.prepare([s], [3])
-    c.prepare([s], [4], [[2, 2, 3, 4]])  # tokens 3, 4 under 2; 5 under 3; 6 under 4
+    passes.prepare(c, [s], [3])
+    passes.prepare(c, [s], [4], [[2, 2, 3, 4]])  # tokens 3, 4 under 2; 5 under 3; 6 under 4
     n = c.length(s)
     assert c.trees.path_moves(s, 3, [4, 6], n) == [(4, 3), (6, 4)]
     assert c.trees.path_moves(s, 3, [3, 5], n) == [(5, 4)]  # the first stays where it is
