@@ -242,3 +242,27 @@ def test_a_step_runs_the_products_on_their_threads_and_pytorch_at_one(tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@needs_library
+@pytest.mark.parametrize("kind", ["q8_0", "q5_0"])
+def test_quantize_writes_blocks_that_gguf_reads_back_within_their_step(kind):
+    """ggml.quantize (a feature draft's Q8_0 products): each block's values within half its step of the input, the
+    blocks as gguf's own dequantizer reads them."""
+    n, k = 48, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
+    blocks = ggml.quantize(kind, w)
+    assert blocks.shape == (n, ggml.row_bytes(kind, k)) and blocks.dtype == torch.uint8
+    back = torch.from_numpy(np.array(gguf.quants.dequantize(blocks.numpy(), getattr(gguf.GGMLQuantizationType,
+                                                                                    kind.upper())))).reshape(n, k)
+    levels = 127 if kind == "q8_0" else 16  # q8_0: d = amax / 127, q in -127..127; q5_0: d = amax / 16, q in -16..15
+    step = w.view(n, -1, 32).abs().amax(-1, keepdim=True) / levels
+    # half a step (q5_0: a whole one, its range -16..15 a step short on one side), plus d rounded to fp16 (2^-11 of
+    # it) times the largest |q|
+    err = (back.view(n, -1, 32) - w.view(n, -1, 32)).abs()
+    assert (err <= step * ((0.5 if kind == "q8_0" else 1.0) + levels * 2.0 ** -11)).all()
+    assert (err > step * 0.25).any()  # the bound is not vacuous: values do round
+    with pytest.raises(ValueError, match="quantizes"):
+        ggml.quantize("q8_0", torch.randn(4, 100))  # not whole blocks
+    with pytest.raises(ValueError, match="quantizes"):
+        ggml.quantize("q4_k", w)  # a type that would need more than the plain quantizer
