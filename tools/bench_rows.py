@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             for test, ms in llama_bench(binary, args.threads, extra).items():
                 res.setdefault(name, {}).setdefault("tg" if test == "tg32" else
                                                     {"pp5": "5 rows", "pp9": "9 rows"}.get(test, test), []).append(ms)
+    from minispec.forms import GgmlWeight, Stacked
+    weights = [m.weight for m in models["minispec iqk"].modules() if hasattr(m, "weight")]
+    weights += [models["minispec iqk"].head_packed]
+    weights = [p for w in weights for p in (w.parts if isinstance(w, Stacked) else [w])]
+    step_bytes = sum(w.blocks.numel() for w in weights if isinstance(w, GgmlWeight))
     print(f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{args.threads} threads, {args.rounds} rounds; medians, ms a pass (in that engine's decode steps)")
     print(f"{'engine':30s} {'decode step':>12s} {'5 rows':>16s} {'9 rows':>16s} {'prefill 64':>18s}")
@@ -109,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                  for t in ("5 rows", "9 rows")]
         pp = statistics.median(tests["pp64"])
         print(f"{name:30s} {step:12.1f} {cells[0]:>16s} {cells[1]:>16s} {pp:8.0f} ({64e3 / pp:5.1f} tok/s)")
+    step = statistics.median(res["minispec iqk"]["tg"])
+    print(f"the kept 1.5B's matrices: {step_bytes / 1e9:.3f} GB read a decode step, {step_bytes / step / 1e6:.1f} GB/s "
+          "at minispec iqk's median step")
     return 0
 
 
