@@ -49,6 +49,9 @@ if mode == "crash":
     print("ValueError: The draft model's vocabulary does not match (fake)", flush=True)
     print("RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
     child.kill(); sys.exit(1)
+if mode == "errlog":  # as a vLLM whose engine core failed on a request
+    print("Traceback (most recent call last):", flush=True)
+    print("IndexError: index 188801552 is out of bounds for dimension 1 with size 49152 (fake)", flush=True)
 if os.environ.get("PYTHONPATH", "").endswith("vllm_expand_fix") and mode != "nomark":
     print("minispec: vllm.utils.cpu_triton_utils._expand_kernel_impl replaced (fake)", flush=True)
 class H(http.server.BaseHTTPRequestHandler):
@@ -346,3 +349,13 @@ def test_throughput_arguments(fake, capsys):
     assert vllm_cpu.main(["throughput", "--target", str(target), "--ngram", "2"]) == 2  # --prompt is required
     assert vllm_cpu.main(["throughput", "--target", str(target), "--ngram", "2", "--prompt", "x", "--", "y"]) == 2
     assert "Traceback" not in capsys.readouterr().err and not out.exists()
+
+
+def test_a_failed_audit_shows_the_servers_error(fake, monkeypatch, capsys):
+    target, _, out = fake
+    monkeypatch.setenv("FAKE_VLLM_MODE", "errlog")
+    _audit_exits_with(monkeypatch, 1)
+    assert vllm_cpu.main(["audit", "--target", str(target), "--ngram", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "log: IndexError: index 188801552 is out of bounds" in err
+    assert all(_gone(p) for p in _pids(out))

@@ -369,7 +369,12 @@ def run_audit(a, rest: list[str]) -> int:
               flush=True)
         child = subprocess.Popen(audit_command(a.target, s.url, ref.url if ref else None, rest), cwd=ROOT)
         try:
-            return child.wait()
+            status = child.wait()
+            for server in (s, ref) if status else ():  # an audit ended by an error: what the servers logged
+                log = server.log() if server is not None else ""
+                if "Traceback" in log or " ERROR " in log:
+                    print(f"vllm_cpu: {server.label}'s log: {log_cause(log)}", file=sys.stderr)
+            return status
         finally:
             if child.poll() is None:  # Ctrl-C reached the auditor too (one process group at the terminal)
                 try:
