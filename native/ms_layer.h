@@ -54,6 +54,25 @@ struct ms_pass {
     float *x;  // (rows, dim): the residual stream, updated in place
 };
 
+// e^x in plain arithmetic the compiler vectorizes (libm's expf is a call a value): x = n ln2 + r with n rounded to
+// nearest, e^r by Cephes' degree-6 polynomial (within 2 ulp), times 2^n built in the exponent bits. x is clamped to
+// [-87.3, 88.7] (e^x stays a normal float): attention scores and SwiGLU's gates never need more.
+static inline float ms_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 in two parts: r exact to a float
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return (p * r * r + r + 1.0f) * scale;
+}
+
 // weight * (x * 1/sqrt(mean(x^2) + eps)), one row; the sum of squares in 16 partial sums summed in a fixed order
 static void ms_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     float acc[16] = {0};
@@ -123,8 +142,9 @@ static void ms_attend_part(const void *arg, int64_t part, int64_t parts) {
             s[t] = ms_dot(q, j->pool + (keys[t] * 2 * Hkv + g) * D, D) * scale;
             if (s[t] > top) top = s[t];
         }
+        for (int64_t t = 0; t < n; t++) s[t] = ms_expf(s[t] - top);
         float sum = 0;
-        for (int64_t t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
+        for (int64_t t = 0; t < n; t++) sum += s[t];
         for (int64_t t = 0; t < n; t++) ms_axpy(o, j->pool + (keys[t] * 2 * Hkv + Hkv + g) * D, s[t] / sum, D);
     }
 }
@@ -137,8 +157,9 @@ struct ms_swiglu_job {
 
 static void ms_swiglu_part(const void *arg, int64_t part, int64_t parts) {
     const struct ms_swiglu_job *j = (const struct ms_swiglu_job *)arg;
-    for (int64_t i = j->n * part / parts; i < j->n * (part + 1) / parts; i++)
-        j->g[i] = j->g[i] / (1.0f + expf(-j->g[i])) * j->u[i];
+    float *restrict g = j->g;
+    const float *restrict u = j->u;
+    for (int64_t i = j->n * part / parts; i < j->n * (part + 1) / parts; i++) g[i] = g[i] / (1.0f + ms_expf(-g[i])) * u[i];
 }
 
 static int ms_product_run(const struct ms_product *m, const float *x, int64_t rows, float *y, void *scratch,
