@@ -303,6 +303,15 @@ def test_log_cause_takes_the_root_exception():
            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
     assert vllm_cpu.log_cause(log) == "ValueError: num_speculative_tokens must be > 0"
     assert vllm_cpu.log_cause("ERROR something broke\n") == "ERROR something broke"
+    # vLLM's prefixed lines (a worker's error, then the engine's and the API server's generic ones)
+    served = ("(Worker pid=7) ERROR 12-07 22:51:37 [multiproc_executor.py:1063] Traceback (most recent call last):\n"
+              "(Worker pid=7) ERROR 12-07 22:51:37 [multiproc_executor.py:1063] RuntimeError: index -597725616 is "
+              "out of bounds for dimension 1 with size 49152\n"
+              "(EngineCore pid=6) ERROR 12-07 22:51:37 [core.py:1512] EngineCore encountered a fatal error.\n"
+              "(APIServer pid=5) ERROR 12-07 22:51:37 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+              "EngineCore encountered an issue. See stack trace (above) for the root cause.\n")
+    assert vllm_cpu.log_cause(served) == ("RuntimeError: index -597725616 is out of bounds for dimension 1 with size "
+                                          "49152")
     assert vllm_cpu.log_cause("") == "(no output)"
 
 

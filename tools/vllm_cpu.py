@@ -153,15 +153,20 @@ def speculative_config(draft: Path | None, ngram: int | None, k: int) -> dict | 
 
 
 _EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*$")
-_GENERIC = ("Engine core initialization failed", "See root cause above", "EngineCore failed to start")
+_GENERIC = ("Engine core initialization failed", "See root cause above", "EngineCore failed to start",
+            "EngineDeadError", "See stack trace (above)")
+# vLLM's line prefixes: "(EngineCore pid=123) " from a child process, "ERROR 12-07 22:45:45 [core.py:1234] "
+_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\]\s*)?")
 
 
 def log_cause(text: str) -> str:
     """Why a vLLM server stopped, from its log: the first exception line that is not vLLM's generic "engine core
-    initialization failed" (the root cause comes first), else the last ERROR line, else the last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    initialization failed" or "engine dead" (the root cause comes first), else the last ERROR line, else the last
+    line; vLLM's prefixes (process, level, time, source) taken off."""
+    lines = [_PREFIX.sub("", ln.strip()).strip() or ln.strip() for ln in text.splitlines() if ln.strip()]
     exc = [ln for ln in lines if _EXCEPTION.match(ln) and not any(g in ln for g in _GENERIC)]
-    errors = [ln for ln in lines if "ERROR" in ln and not any(g in ln for g in _GENERIC)]
+    errors = [_PREFIX.sub("", ln.strip()) for ln in text.splitlines()
+              if " ERROR " in f" {ln} " and not any(g in ln for g in _GENERIC)]
     return (exc[0] if exc else errors[-1] if errors else lines[-1] if lines else "(no output)")[:300]
 
 
