@@ -35,9 +35,10 @@ def ik_one(bin_dir: Path, temperature: float, text: str, i: int) -> float:
     (prompt processing plus generation, as llama_one does for llama.cpp)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
-    cmd = llama_command(bin_dir, f.name, NEW_TOKENS, 2, temperature, i, TARGET_GGUF, None)
+    cmd = llama_command(bin_dir, f.name, NEW_TOKENS, 2, temperature, i, str(Path(TARGET_GGUF).resolve()), None)
     cmd = [str(bin_dir / "llama-cli"), *[a for a in cmd[1:] if a != "-no-cnv"], "-rtr"]  # its cli: no chat by default
-    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    # run in the temporary folder: ik's llama-cli writes its main.log to the current directory
+    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     Path(f.name).unlink()
     if out.returncode:
         raise RuntimeError(f"ik_llama.cpp's llama-cli failed ({out.returncode}): {(out.stdout + out.stderr)[-500:]}")
