@@ -8,8 +8,10 @@ row's key list, every row alone: a row's bits depend neither on the other rows o
 count, so a verify pass still gives every position what a decode step gives it (tests/test_fused.py).
 
 It is used only where it computes what the model asks: fast paths on, a kept model (`rows_alike`) whose every
-block multiplies through a compiled product (q, k and v stacked or side by side), fp32 activations and an fp32
-cache on the CPU; `Blocks.build` returns None otherwise and the model runs its PyTorch blocks.
+block multiplies through one library's compiled products (q, k and v stacked or side by side), fp32 activations
+and an fp32 cache on the CPU; `Blocks.build` returns None otherwise and the model runs its PyTorch blocks. One
+library: each has its own thread pool, whose workers spin a while after its work, and two pools taking turns
+within a pass fight for the cores (a decode step took 7x as long).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 
 import torch
 
-from . import forms, ggml
+from . import forms
 from .forms import Stacked
 
 i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
@@ -43,12 +45,12 @@ class _Pass(ctypes.Structure):
                 ("x", ctypes.c_void_p)]
 
 
-def _library() -> ctypes.CDLL | None:
-    for lib in (ggml._iqk_library(), ggml._library()):
-        if lib is not None and hasattr(lib, "ms_blocks_forward"):
-            lib.ms_blocks_forward.argtypes = [ctypes.c_void_p, i64, ctypes.POINTER(_Pass)]
-            return lib
-    return None
+def _library(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    """`lib` (the library every block's products come from) where it has the compiled blocks, else None."""
+    if not hasattr(lib, "ms_blocks_forward"):
+        return None
+    lib.ms_blocks_forward.argtypes = [ctypes.c_void_p, i64, ctypes.POINTER(_Pass)]
+    return lib
 
 
 def _product(w) -> _Product | None:
@@ -58,6 +60,13 @@ def _product(w) -> _Product | None:
     blocks = w.blocks if w.repacked is None else w.repacked
     return _Product(ctypes.cast(matmul, ctypes.c_void_p).value, blocks.data_ptr(), w.shape[0], w.shape[1], x_row,
                     type_id)
+
+
+def _matrices(layer) -> list:
+    """A block's matrices, q, k and v apart."""
+    qkv = layer.self_attn.qkv_proj.weight
+    return (qkv.parts if isinstance(qkv, Stacked) else [qkv]) + [
+        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight]
 
 
 def _float(t: torch.Tensor | None) -> bool:
@@ -75,16 +84,12 @@ class Blocks:
     def build(cls, model) -> Blocks | None:
         """The model's blocks for the compiled call, or None where it cannot compute them all (see the module)."""
         cfg = model.config
-        lib = _library()
-        if lib is None or not model.rows_alike or not model.ggml_products or cfg.n_heads % cfg.n_kv_heads:
+        if not model.rows_alike or not model.ggml_products or cfg.n_heads % cfg.n_kv_heads:
             return None
         blocks, keep = (_Block * len(model.layers))(), []
         for block, layer in zip(blocks, model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj.weight
-            parts = qkv.parts if isinstance(qkv, Stacked) else [qkv]
-            products = [_product(w) for w in parts + [attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                                                      mlp.down_proj.weight]]
+            matrices, attn = _matrices(layer), layer.self_attn
+            parts, products = matrices[:-4], [_product(w) for w in matrices]
             floats = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.bias]
             if None in products or len(parts) not in (1, 3) or not all(_float(t) for t in floats):
                 return None
@@ -96,7 +101,11 @@ class Blocks:
                 block.qkv[i] = p
             block.o, block.gate, block.up, block.down = products[len(parts):]
             keep += [w for w in parts] + floats  # the pointers' owners stay alive with the blocks
-        return cls(lib, blocks, keep)
+        # one library for every product and the blocks' own work: each library has its own thread pool, whose
+        # workers spin a while after its work, so two pools taking turns within a pass would fight for the cores
+        libs = {id(w.lib): w.lib for layer in model.layers for w in _matrices(layer)}
+        lib = _library(next(iter(libs.values()))) if len(libs) == 1 else None
+        return None if lib is None else cls(lib, blocks, keep)
 
     @staticmethod
     def takes(x: torch.Tensor, kv: torch.Tensor) -> bool:

@@ -146,3 +146,23 @@ def test_a_failing_product_is_an_error_not_a_half_computed_pass(kept):
             kept.step(cache, [cache.new_sequence()], [PROMPT])
     finally:
         kept._fused = False
+
+
+def test_the_blocks_run_in_their_products_library_and_never_mix_two(kept):
+    """Each library has its own thread pool: the blocks' own work runs in the library of their products, and a model
+    whose blocks' products come from two libraries runs its PyTorch blocks (two pools taking turns fight for the
+    cores)."""
+    blocks = fused.Blocks.build(kept)
+    libs = {w.lib._handle for layer in kept.layers for w in fused._matrices(layer)}
+    assert libs == {blocks.lib._handle}
+    other = ggml._library() if blocks.lib._handle == getattr(ggml._iqk_library(), "_handle", None) else \
+        ggml._iqk_library()
+    if other is None:
+        pytest.skip("one product library built: nothing to mix")
+    w = kept.layers[0].mlp.down_proj.weight
+    before = w.lib
+    w.lib = other  # as a matrix the other library took would be
+    try:
+        assert fused.Blocks.build(kept) is None
+    finally:
+        w.lib = before
