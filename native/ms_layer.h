@@ -73,19 +73,7 @@ static inline float ms_expf(float x) {
     return (p * r * r + r + 1.0f) * scale;
 }
 
-// weight * (x * 1/sqrt(mean(x^2) + eps)), one row; the sum of squares in 16 partial sums summed in a fixed order
-static void ms_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += x[i + j] * x[i + j];
-    float ss = 0;
-    for (int j = 0; j < 16; j++) ss += acc[j];
-    for (; i < n; i++) ss += x[i] * x[i];
-    const float scale = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
-}
-
+// a dot product in 16 partial sums added in a fixed order
 static float ms_dot(const float *a, const float *b, int64_t n) {
     float acc[16] = {0};
     int64_t i = 0;
@@ -95,6 +83,12 @@ static float ms_dot(const float *a, const float *b, int64_t n) {
     for (int j = 0; j < 16; j++) s += acc[j];
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+// weight * (x * 1/sqrt(mean(x^2) + eps)), one row; the sum of squares as ms_dot sums
+static void ms_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    const float scale = 1.0f / sqrtf(ms_dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
 }
 
 // o += w v over n values
