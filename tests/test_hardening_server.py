@@ -448,11 +448,13 @@ def test_a_draft_that_drafts_nothing_is_noted(fake_binary):
     assert s.settings["speculation"] == {"drafted": 0, "accepted": 0, "acceptance_rate": None}
     report = audit_samples(_tiny_target(), s, power_runs=0, reference=False)
     assert any("drafted no tokens" in n for n in report.notes), report.notes
-    # the control: a plain server (no draft) gets no such note
+    # the control: a plain server (no draft) gets no such note; its verdict names it as drafting nothing
     with llama_server.LlamaServer(model, binary=binary, startup_timeout=30) as server:
         s = server_samples(_tiny_target(), server.client, [[1, 3]], samples=20, tokens=2, temperature=1.0,
                            top_k=None, top_p=None, model_check=False, settings=server.settings)
-    assert "speculation" not in s.settings
+    assert s.settings["speculation"]["drafted"] == 0
+    report = audit_samples(_tiny_target(), s, power_runs=0, reference=False)
+    assert not any("drafted no tokens" in n for n in report.notes) and "no tokens were drafted" in report.verdict
 
 
 def test_many_samples_are_not_built_up_front(stub):

@@ -409,10 +409,11 @@ def test_real_server_plain_sampling_passes(tiny_pair):
     info = s.settings["model_check"]
     assert info["n_vocab"] == TINY["vocab_size"] and info["prob_difference"] < 1e-3
     assert s.settings["engine_version"]
-    assert "speculation" not in s.settings
+    assert s.settings["speculation"]["drafted"] == 0  # a plain server: its answers' counts say it drafted nothing
     report = audit_samples(target, s, power_runs=0)
     assert report.impossible == 0
     assert report.passed and report.calibrated, report.format()
+    assert "no tokens were drafted" in report.verdict and not any("drafted no tokens" in n for n in report.notes)
     # the test has teeth here: the same server's samples at another temperature than the stated one fail
     with LlamaServer(gguf_path, parallel=2, ctx_size=64, threads=1) as server:
         hot = server_samples(target, server.client, [prompt], samples=400, tokens=4, temperature=1.4, top_k=None,

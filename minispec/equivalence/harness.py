@@ -27,6 +27,7 @@ from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
 from ..tree import AUTO_SHAPES, DynamicTree, check_tree, tree_size, tree_text
 from .engines import ENGINES, TransformersEngine
+from .llama_server import ENGINE as LLAMA_CPP
 from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
 from .samples import MIN_SAMPLES, SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
@@ -601,9 +602,11 @@ def _audit_drawing(target, drawing: Drawing, seed, alpha, bins, orders, referenc
 
 def _engine_notes(settings: dict) -> list[str]:
     """What the engine's own settings say about what the test covers: a speculative engine that reports no drafted
-    tokens sampled from its target alone."""
+    tokens sampled from its target alone (a llama-server started without a draft is plain by choice: its verdict
+    says no tokens were drafted, with no note)."""
     spec = settings.get("speculation")
-    if isinstance(spec, dict) and spec.get("drafted") == 0:
+    plain_llama = settings.get("engine") == LLAMA_CPP and not settings.get("server_draft")
+    if isinstance(spec, dict) and spec.get("drafted") == 0 and not plain_llama:
         return ["the engine reports that it drafted no tokens (its draft model was loaded but never used, or "
                 "proposed nothing): its samples came from the target alone, so the test says nothing about its "
                 "speculative decoding"]

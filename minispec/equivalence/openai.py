@@ -555,8 +555,8 @@ class Drawing:
         if self.drafted is None and before is not None:
             delta = metrics_delta(before, read_metrics(self.endpoint), self.endpoint.name)
             self.drafted, self.accepted = delta["drafted"], delta["accepted"]
-        quiet = self.endpoint.kind == LLAMA_CPP and not self.drafted and not self.settings.get("server_draft")
-        if self.drafted is not None and not quiet:
+        # every engine's count, zero included: a server that drafted nothing is named as such in the verdict
+        if self.drafted is not None:
             self.settings["speculation"] = {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate":
                                             self.accepted / self.drafted if self.drafted else None}
 
