@@ -38,6 +38,7 @@ from .equivalence import (
 )
 from .equivalence.harness import check_window
 from .equivalence.http import REQUEST_S, ServerError, base_url
+from .equivalence.llama_server import CONCURRENCY as LLAMA_CPP_CONCURRENCY
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
 from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size
 from .equivalence.openai import KINDS as REMOTE_KINDS
@@ -342,8 +343,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=REQUEST_S, help="server engines: the deadline of one whole answer, a trickling one "
                                            f"included (default {REQUEST_S:g})")
     p.add_argument("--concurrency", type=int_at_least(1), metavar="N",
-                   help="server engines: requests kept in flight, which the server batches (default 4 for a "
-                        "llama-server, 1 otherwise)")
+                   help="server engines: requests kept in flight, which the server batches (default "
+                        f"{LLAMA_CPP_CONCURRENCY} for a llama-server, 1 otherwise)")
     p.add_argument("--mixed-seeds", action="store_true",
                    help="server engines: every other request unseeded, as a batch mixing seeded and unseeded "
                         "requests")
@@ -590,7 +591,7 @@ def _remote_audit(args, target, prompts: list[list[int]]):
 
     params = SamplingParams(args.temperature, args.top_k or None, args.top_p)
     vocab = target.config.vocab_size if target is not None else 2**31 - 1
-    concurrency = args.concurrency or (4 if args.engine == LLAMA_CPP else 1)
+    concurrency = args.concurrency or (LLAMA_CPP_CONCURRENCY if args.engine == LLAMA_CPP else 1)
     n = args.samples * len(prompts)
 
     def arm(endpoint, seed, desc):
@@ -640,13 +641,13 @@ def _server_audit(args, target, prompts: list[list[int]], test: dict):
     started for the run (stopped however it ends), or one at --url."""
     kw = dict(samples=args.samples, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k or None,
               top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
-              workers=args.concurrency or 4)
+              workers=args.concurrency or LLAMA_CPP_CONCURRENCY)
     if args.url is not None:
         return audit_samples(target, server_drawing(target, ServerClient(args.url, timeout=args.request_timeout),
                                                     prompts, **kw), **test)
     k = args.k if args.server_draft is not None else 0
     with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
-                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or 4,
+                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or LLAMA_CPP_CONCURRENCY,
                      timeout=args.request_timeout) as server:
         drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
         return audit_samples(target, drawing, **test)

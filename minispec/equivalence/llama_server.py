@@ -59,6 +59,7 @@ from ..sampling import SamplingParams
 from .http import MAX_BYTES, REQUEST_S, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
 
 ENGINE = "llama.cpp"
+CONCURRENCY = 4  # requests in flight to a llama-server by default, and the slots (--parallel) one is started with
 BINARY = "llama-server"
 # where tools/llama_cpp.py builds it, relative to a source checkout
 BUILT = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "out" / "bin" / BINARY
@@ -220,7 +221,7 @@ class LlamaServer:
     answer). Every value is checked here, before anything starts.
     """
 
-    def __init__(self, model, draft=None, k: int = 4, parallel: int = 4, ctx_size: int = 512,
+    def __init__(self, model, draft=None, k: int = 4, parallel: int = CONCURRENCY, ctx_size: int = 512,
                  threads: int | None = None, port: int | None = None, binary=None, host: str = "127.0.0.1",
                  startup_timeout: float = 300.0, timeout: float = REQUEST_S, extra_args=()):
         check_int("k", k, 1, MAX_K, error=ServerError)

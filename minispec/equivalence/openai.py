@@ -50,6 +50,7 @@ import torch
 from ..errors import check_int, is_int, show
 from ..sampling import SamplingParams
 from .http import REQUEST_S, Cancel, ServerError, ascii_digits, base_url, check_seconds, get_json, get_text
+from .llama_server import CONCURRENCY as LLAMA_CPP_CONCURRENCY
 from .llama_server import ENGINE as LLAMA_CPP
 from .llama_server import OFF, PROB_TOLERANCE, SAMPLERS, ServerClient, draft_counts, parse_tokens, request_body
 from .llama_server import check_same_model as llama_check_same_model
@@ -577,8 +578,9 @@ def draw(endpoint: Endpoint, prompts: list[list[int]], counts: list[int], tokens
 
 
 def server_drawing(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
-                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
-                   model_check: bool = True, settings: dict | None = None, progress: bool = False):
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0,
+                   workers: int = LLAMA_CPP_CONCURRENCY, model_check: bool = True, settings: dict | None = None,
+                   progress: bool = False):
     """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as a Drawing
     (kind "llama.cpp") that draws them as it is read: `audit_samples(target, drawing)`
     scores them chunk by chunk with the early-stop looks, so a clearly broken server stops being sampled at the
@@ -603,8 +605,9 @@ def server_drawing(target, client: ServerClient, prompts: list[list[int]], sampl
 
 
 def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
-                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0, workers: int = 4,
-                   model_check: bool = True, settings: dict | None = None, progress: bool = False) -> SampleSet:
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0,
+                   workers: int = LLAMA_CPP_CONCURRENCY, model_check: bool = True, settings: dict | None = None,
+                   progress: bool = False) -> SampleSet:
     """Every sample of `server_drawing` (the same arguments), drawn now: the SampleSet audit_samples tests like a
     samples file. Raises ServerError."""
     return server_drawing(target, client, prompts, samples, tokens, temperature, top_k, top_p, seed, workers,
