@@ -86,7 +86,7 @@ class Blocks:
         cfg = model.config
         if not model.rows_alike or not model.ggml_products or cfg.n_heads % cfg.n_kv_heads:
             return None
-        blocks, keep = (_Block * len(model.layers))(), []
+        blocks, keep, libs = (_Block * len(model.layers))(), [], {}
         for block, layer in zip(blocks, model.layers):
             matrices, attn = _matrices(layer), layer.self_attn
             parts, products = matrices[:-4], [_product(w) for w in matrices]
@@ -100,10 +100,10 @@ class Blocks:
             for i, p in enumerate(products[:len(parts)]):
                 block.qkv[i] = p
             block.o, block.gate, block.up, block.down = products[len(parts):]
-            keep += [w for w in parts] + floats  # the pointers' owners stay alive with the blocks
+            keep += matrices + floats  # the pointers' owners stay alive with the blocks
+            libs.update((id(w.lib), w.lib) for w in matrices)
         # one library for every product and the blocks' own work: each library has its own thread pool, whose
         # workers spin a while after its work, so two pools taking turns within a pass would fight for the cores
-        libs = {id(w.lib): w.lib for layer in model.layers for w in _matrices(layer)}
         lib = _library(next(iter(libs.values()))) if len(libs) == 1 else None
         return None if lib is None else cls(lib, blocks, keep)
 
