@@ -40,9 +40,8 @@ from .equivalence.harness import check_window
 from .equivalence.http import REQUEST_S, ServerError, base_url
 from .equivalence.llama_server import CONCURRENCY as LLAMA_CPP_CONCURRENCY
 from .equivalence.llama_server import ENGINE as LLAMA_CPP
-from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size
+from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_drawing
 from .equivalence.openai import KINDS as REMOTE_KINDS
-from .equivalence.openai import server_drawing
 from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_device
 from .model import Transformer
@@ -585,7 +584,8 @@ def _remote_audit(args, target, prompts: list[list[int]]):
 
     from tqdm import tqdm
 
-    from .equivalence.openai import Drawing, Endpoint, check_same_model
+    from .equivalence.drawing import Drawing
+    from .equivalence.openai import Endpoint, check_same_model
     from .equivalence.two_sample import audit
     from .sampling import SamplingParams
 

@@ -25,14 +25,14 @@ import torch
 from test_llama_server import BUILT, _gone, make_fake_binary
 
 from minispec import Transformer
-from minispec.equivalence import audit_samples, llama_server, openai, read_samples
+from minispec.equivalence import audit_samples, llama_server, read_samples
 from minispec.equivalence.http import MAX_BYTES, Cancel, ServerError, base_url, get_json, get_text
 
 import llama_cpp
 from helpers import ROOT, equivalence_cli, kept_int4, peaked_model
 from tiny_files import TINY, tiny_checkpoint, tiny_tokenizer_dir
 
-ServerClient, server_samples = llama_server.ServerClient, openai.server_samples
+ServerClient, server_samples = llama_server.ServerClient, llama_server.server_samples
 STUB_LIMIT_S = 8.0  # a stub's slow or stuck answer gives up after this long (bounds an unbounded client)
 ENDLESS_BYTES = 64 << 20  # how much an "endless" body writes before it gives up (bounds an unbounded client)
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from minispec import Transformer
-from minispec.equivalence import audit_samples, llama_server, openai
+from minispec.equivalence import audit_samples, llama_server
 from minispec.sampling import SamplingParams
 
 from tiny_files import TINY, add_metadata, finish_gguf, gpt2_vocab
@@ -30,7 +30,7 @@ BUILT, OFF, SAMPLERS = llama_server.BUILT, llama_server.OFF, llama_server.SAMPLE
 LlamaServer, ServerClient, ServerError = llama_server.LlamaServer, llama_server.ServerClient, llama_server.ServerError
 ModelMismatchError, find_binary, parse_tokens = (llama_server.ModelMismatchError, llama_server.find_binary,
                                                  llama_server.parse_tokens)
-request_body, server_samples = llama_server.request_body, openai.server_samples
+request_body, server_samples = llama_server.request_body, llama_server.server_samples
 
 EOS = 2  # the tiny vocabulary's </s>
 

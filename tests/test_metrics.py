@@ -10,8 +10,10 @@ import pytest
 from test_openai_engine import PARAMS, PROMPTS, Stub, T
 
 from minispec.equivalence import audit_samples, read_samples
+from minispec.equivalence.drafts import metrics_delta, parse_metrics
+from minispec.equivalence.drawing import Drawing
 from minispec.equivalence.http import ServerError
-from minispec.equivalence.openai import Drawing, Endpoint, metrics_delta, parse_completion, parse_metrics
+from minispec.equivalence.openai import Endpoint, parse_completion
 from minispec.equivalence.two_sample import audit, compare
 
 from helpers import equivalence_cli as main

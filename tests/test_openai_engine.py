@@ -23,8 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from minispec.equivalence import audit_samples
+from minispec.equivalence.drawing import ModelMismatchError, draw
 from minispec.equivalence.http import ServerError
-from minispec.equivalence.openai import Endpoint, ModelMismatch, check_same_model, draw
+from minispec.equivalence.openai import Endpoint, check_same_model
 from minispec.equivalence.two_sample import compare
 from minispec.sampling import SamplingParams
 
@@ -318,7 +319,7 @@ def test_the_model_check(stubs, shape):
     info = check_same_model(Endpoint(stub.url, kind), stub.target, PROMPTS[0])
     assert info["tokens_compared"] == 20 and info["prob_difference"] < 1e-5
     other = stubs(shape, "other-model")
-    with pytest.raises(ModelMismatch, match="next-token probabilities after the first prompt differ"):
+    with pytest.raises(ModelMismatchError, match="next-token probabilities after the first prompt differ"):
         check_same_model(Endpoint(other.url, kind), stub.target, PROMPTS[0])
 
 
@@ -332,33 +333,34 @@ def test_the_model_is_the_first_listed_unless_named(stubs):
 def test_llama_servers_native_completion_is_a_kind_of_endpoint(stubs):
     """kind "llama.cpp": llama_server's request body and checks through the one Drawing; server_samples draws the
     same samples for the same seed, and the model check goes through llama_server's."""
-    from minispec.equivalence import llama_server, openai
+    from minispec.equivalence import llama_server
 
     stub = stubs("llama-server")
-    endpoint = Endpoint(stub.url, "llama.cpp", deadline=30.0)
+    endpoint = llama_server.Endpoint(stub.url, deadline=30.0)
     drawn = draw(endpoint, PROMPTS, [100], T, PARAMS, 7, stub.target.config.vocab_size, concurrency=4)
     assert drawn.samples.settings["engine"] == "llama.cpp" and 0 < drawn.accepted <= drawn.drafted
     assert drawn.samples.settings["speculation"]["acceptance_rate"] == drawn.accepted / drawn.drafted
     assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
-    same = openai.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
+    same = llama_server.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
                                        samples=100, tokens=T, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
                                        top_p=None, seed=7, workers=2)
     assert same.tokens == drawn.samples.tokens and same.settings["engine_version"] == "b0-stub"
     assert same.settings["model_check"]["prob_difference"] < 1e-5
-    assert check_same_model(endpoint, stub.target, PROMPTS[0])["n_vocab"] == stub.target.config.vocab_size
+    assert endpoint.check_model(stub.target, PROMPTS[0])["n_vocab"] == stub.target.config.vocab_size
     with pytest.raises(llama_server.ModelMismatchError, match="next-token probabilities after the first prompt differ"):
-        check_same_model(Endpoint(stubs("llama-server", "other-model").url, "llama.cpp"), stub.target, PROMPTS[0])
+        llama_server.Endpoint(stubs("llama-server", "other-model").url).check_model(stub.target, PROMPTS[0])
 
 
 def test_a_drawing_builds_nothing_per_sample_up_front():
     """A hundred million samples asked: making the Drawing costs no memory and sends nothing (no server listens)."""
     import tracemalloc
 
-    from minispec.equivalence.openai import Drawing
+    from minispec.equivalence.drawing import Drawing
+    from minispec.equivalence.llama_server import Endpoint as LlamaEndpoint
 
     tracemalloc.start()
     try:
-        for endpoint in (Endpoint("http://127.0.0.1:9/v1", model="tiny"), Endpoint("http://127.0.0.1:9", "llama.cpp")):
+        for endpoint in (Endpoint("http://127.0.0.1:9/v1", model="tiny"), LlamaEndpoint("http://127.0.0.1:9")):
             d = Drawing(endpoint, PROMPTS, [10**8], T, PARAMS, 0, 32, concurrency=4)
             assert d.total == 10**8 and d.pairs == []
         peak = tracemalloc.get_traced_memory()[1]

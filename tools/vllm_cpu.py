@@ -402,10 +402,11 @@ def run_serve(a) -> int:
 
 def run_throughput(a) -> int:
     """The auditor's sampling rate against one served engine: `--samples` samples of `--tokens` tokens at each
-    --concurrency, drawn as an audit draws them (minispec.equivalence.openai.draw: ids, seeds, every setting
+    --concurrency, drawn as an audit draws them (minispec.equivalence.drawing.draw: ids, seeds, every setting
     written out), nothing scored. One line a concurrency: samples/s, tokens/s and the /metrics draft counts."""
     sys.path.insert(0, str(ROOT))
-    from minispec.equivalence.openai import Endpoint, draw
+    from minispec.equivalence.drawing import draw
+    from minispec.equivalence.openai import Endpoint
     from minispec.sampling import SamplingParams
     from minispec.tokenizer import load_tokenizer
 

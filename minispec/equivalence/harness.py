@@ -26,9 +26,9 @@ from ..errors import check_int, is_number, normalize_prompts
 from ..sampling import SamplingParams, logits_to_probs
 from ..speculative import ExactSampler, get_sampler
 from ..tree import AUTO_SHAPES, DynamicTree, check_tree, tree_size, tree_text
+from .drawing import Drawing
 from .engines import ENGINES, TransformersEngine
 from .llama_server import ENGINE as LLAMA_CPP
-from .openai import Drawing
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
 from .samples import MIN_SAMPLES, SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
 from .stats import EARLY_ALPHA, ORDERS, RunStats, analyse, look_alphas, pit  # noqa: F401
@@ -541,7 +541,7 @@ def audit_samples(target, samples: SampleSet | Drawing | str | Path, seed: int =
     """Test samples drawn by any engine (vLLM, SGLang, llama.cpp, ...) against minispec's target.
 
     samples: a samples file (JSONL: see minispec.equivalence.samples), a SampleSet, or a server's Drawing
-    (minispec.equivalence.openai), drawn here chunk by chunk with the early-stop looks run_equivalence takes, so
+    (minispec.equivalence.drawing), drawn here chunk by chunk with the early-stop looks run_equivalence takes, so
     a clearly broken server stops being sampled at the first look that fails. The PIT runs on the
     target with one batched pass per distinct prompt, in both token orders with Holm's correction, and the
     target-only calibration draws the same counts after the same prompts with the file's settings (seed:

@@ -1,12 +1,12 @@
-"""llama.cpp's `llama-server` as an engine under test: samples drawn over its HTTP API, as token ids.
+"""llama.cpp's `llama-server` as an engine under test: samples drawn over its native HTTP API, as token ids.
 
-The samples are drawn by minispec.equivalence.openai (`server_drawing`: a Drawing of kind "llama.cpp" that
-`harness.audit_samples` draws as it scores, with the early-stop looks; `server_samples`: every sample at once).
-This module holds the server's side: its process, its requests and answers, and the same-model check:
+This module holds the engine whole: its process, its requests and answers, the same-model check, and its
+`Endpoint` (the native /completion, a drawing.Endpoint) with `server_drawing` (a drawing.Drawing of it that
+`harness.audit_samples` draws as it scores, with the early-stop looks) and `server_samples` (every sample at once):
 
     with LlamaServer(model="target.gguf", draft="draft.gguf", k=4) as server:   # or ServerClient(url)
-        drawing = openai.server_drawing(target, server.client, prompts, samples=2000, tokens=8,
-                                        temperature=0.7, top_k=50)
+        drawing = server_drawing(target, server.client, prompts, samples=2000, tokens=8,
+                                 temperature=0.7, top_k=50)
         report = audit_samples(target, drawing)   # inside the block: the server draws as the audit reads
 
 `LlamaServer` starts the server on a free port of 127.0.0.1 and stops it however the block ends
@@ -34,8 +34,9 @@ failure of the audit; the report states this caveat in its engine settings.
 Every request goes through minispec.equivalence.http (a deadline for the whole answer, a cap on its size, JSON
 with finite numbers only), and every number an answer holds is checked before it is used. Every failure raises
 `ServerError` (an InputError, so the command line prints one line and exits with status 1); a server running
-another model than the target raises `ModelMismatchError`. The requests run in the Drawing's daemon threads, which
-a failure, an early stop or Ctrl-C ends at once (`http.Cancel`), so a stuck server cannot keep the process alive.
+another model than the target raises `drawing.ModelMismatchError`. The requests run in the Drawing's daemon
+threads, which a failure, an early stop or Ctrl-C ends at once (`http.Cancel`), so a stuck server cannot keep the
+process alive.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import check_int, is_int, is_number, show
 from ..sampling import SamplingParams
+from .drafts import llama_timings
+from .drawing import PROB_TOLERANCE, Drawing, ModelMismatchError, check_seed_range, prob_difference
+from .drawing import Endpoint as EndpointBase
 from .http import MAX_BYTES, REQUEST_S, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
+from .samples import SampleSet
 
 ENGINE = "llama.cpp"
 CONCURRENCY = 4  # requests in flight to a llama-server by default, and the slots (--parallel) one is started with
@@ -69,16 +72,10 @@ OFF = dict(min_p=0.0, typical_p=1.0, top_n_sigma=-1.0, xtc_probability=0.0, dry_
            repeat_last_n=0, presence_penalty=0.0, frequency_penalty=0.0, dynatemp_range=0.0, mirostat=0,
            adaptive_target=-1.0, grammar="", logit_bias=[], min_keep=0, n_probs=0, backend_sampling=False, stop=[],
            t_max_predict_ms=0, n_indent=0)
-PROB_TOLERANCE = 1e-2  # how far the server's next-token probabilities may be from the target's (fp32)
 PIECES = 32  # token ids whose text the model check compares
 MAX_K = 64  # the longest draft a server is asked for: each slot's context holds a round of them
-MAX_DRAFT_COUNT = 2**31 - 1  # llama.cpp counts drafted tokens in an int32
 SMALL_REQUEST_S = 30.0  # the deadline of an answer that needs no sampling (/props, /v1/models, /detokenize)
 STOP_S = 5.0  # how long a stopped server may take to exit on SIGTERM before it is killed
-
-
-class ModelMismatchError(ServerError):
-    """The server's model is not minispec's --target: the message names what differs."""
 
 
 def find_binary(binary=None) -> Path:
@@ -350,24 +347,6 @@ def parse_tokens(resp, tokens: int, vocab_size: int) -> list[int]:
     return ids
 
 
-def draft_counts(resp: dict, tokens: int, server: str) -> tuple[int, int]:
-    """The draft tokens a /completion answer says it drafted and accepted (timings.draft_n and
-    draft_n_accepted; 0 and 0 when it states none), checked: integers, 0 <= accepted <= drafted, and no more
-    accepted than tokens returned."""
-    timings = resp.get("timings")
-    if not isinstance(timings, dict):
-        return 0, 0
-    n, a = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
-    for name, v in (("draft_n", n), ("draft_n_accepted", a)):
-        if not is_int(v) or not 0 <= v <= MAX_DRAFT_COUNT:
-            raise ServerError(f"{server}: /completion's timings.{name} is {show(v)}, not a count of draft tokens "
-                              f"(an integer in [0, {MAX_DRAFT_COUNT}])")
-    if a > n or a > tokens:
-        raise ServerError(f"{server}: /completion's timings say {a} draft tokens accepted of {n} drafted, for "
-                          f"{tokens} tokens returned: not counts of one answer")
-    return n, a
-
-
 def _model_meta(client: ServerClient) -> dict:
     models = client.get("/v1/models")
     try:
@@ -439,13 +418,76 @@ def check_same_model(client: ServerClient, target, prompt: list[int]) -> dict:
     top = min(20, cfg.vocab_size)
     body = dict(request_body(prompt, 1, SamplingParams(1.0, None, None), 0), n_probs=top, post_sampling_probs=False)
     theirs = _top_probs(client.post("/completion", body), client, cfg.vocab_size)
-    with torch.inference_mode():
-        logits = target(torch.tensor([prompt], device=target.device))[0, -1].float().cpu()
-    ours = logits.softmax(-1)
-    diff = max(abs(p - float(ours[i])) for i, p in theirs.items()) if theirs else math.inf
-    info["prob_difference"] = diff
+    diff = info["prob_difference"] = prob_difference(theirs, target, prompt)
     if not diff <= PROB_TOLERANCE:
         raise ModelMismatchError(f"the server's next-token probabilities after the first prompt differ from the "
                                  f"target's by up to {diff:.3g} (> {PROB_TOLERANCE}): not the same weights, or not "
                                  "computed in F32 (serve the target as an F32 GGUF: llama-quantize ... F32)")
     return info
+
+
+class Endpoint(EndpointBase):
+    """A llama-server's native /completion as a Drawing draws from it, reached through `client` (a ServerClient,
+    made from url and deadline when None: give the one of a started LlamaServer, so that a crash reads as one)."""
+
+    kind = ENGINE
+
+    def __init__(self, url: str, deadline: float = REQUEST_S, cancel: Cancel | None = None,
+                 client: ServerClient | None = None):
+        self.client = client or ServerClient(url, timeout=deadline)
+        super().__init__(self.client.url, self.client.name, self.client.timeout, cancel)
+
+    @property
+    def stated(self) -> dict:
+        return {"samplers": SAMPLERS, "ignore_eos": "end-of-generation tokens masked (logit bias -inf)"}
+
+    def body(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None) -> dict:
+        """request_body; unseeded (mixed_seeds) when seed is None: the server picks one."""
+        body = request_body(prompt, tokens, params, 0 if seed is None else seed)
+        if seed is None:
+            del body["seed"]
+        return body
+
+    def sample(self, prompt: list[int], tokens: int, params: SamplingParams, seed: int | None,
+               vocab_size: int) -> tuple[list[int], int | None, int | None]:
+        resp = self.client.post("/completion", self.body(prompt, tokens, params, seed), cancel=self.cancel)
+        return (parse_tokens(resp, tokens, vocab_size), *llama_timings(resp, tokens, self.name, "/completion"))
+
+    def check_model(self, target, prompt: list[int]) -> dict:
+        return check_same_model(self.client, target, prompt)
+
+
+def server_drawing(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0,
+                   workers: int = CONCURRENCY, model_check: bool = True, settings: dict | None = None,
+                   progress: bool = False) -> Drawing:
+    """`samples` samples of `tokens` tokens after each prompt from the llama-server behind `client`, as a Drawing
+    of its Endpoint that draws them as it is read: `audit_samples(target, drawing)` scores them chunk by chunk
+    with the early-stop looks, so a clearly broken server stops being sampled at the first look that fails. Its
+    settings line: engine "llama.cpp", the server's build as engine_version, `settings` added, the model check,
+    and once drawn "speculation" (the draft tokens drafted and accepted). The arguments are checked and the
+    model is checked (unless model_check is False) here, before any sampling. Raises ServerError."""
+    params = SamplingParams(temperature, top_k, top_p)
+    check_int("samples", samples, 1, error=ServerError)
+    check_int("tokens", tokens, 1, error=ServerError)
+    check_int("workers", workers, 1, error=ServerError)
+    check_int("seed", seed, 0, error=ServerError)
+    check_seed_range(seed, samples * len(prompts))  # before the model check, so a run that cannot finish starts nothing
+    head = {"engine_version": client.version(), **(settings or {})}
+    head["model_check"] = check_same_model(client, target, prompts[0]) if model_check else "skipped"
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=samples * len(prompts), desc=ENGINE, unit="sample", file=sys.stderr, dynamic_ncols=True)
+    return Drawing(Endpoint(client.url, client=client), prompts, [samples] * len(prompts), tokens, params, seed,
+                   target.config.vocab_size, concurrency=workers, settings=head, bar=bar)
+
+
+def server_samples(target, client: ServerClient, prompts: list[list[int]], samples: int, tokens: int,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int = 0,
+                   workers: int = CONCURRENCY, model_check: bool = True, settings: dict | None = None,
+                   progress: bool = False) -> SampleSet:
+    """Every sample of `server_drawing` (the same arguments), drawn now: the SampleSet audit_samples tests like a
+    samples file. Raises ServerError."""
+    return server_drawing(target, client, prompts, samples, tokens, temperature, top_k, top_p, seed, workers,
+                          model_check, settings, progress).run().samples

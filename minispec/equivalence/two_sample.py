@@ -128,7 +128,7 @@ def compare(test: SampleSet, reference: SampleSet, alpha: float = 0.01, seed: in
 
 def audit(test, reference, batch_size: int = 256, alpha: float = 0.01, seed: int = 0, power_runs: int = RUNS,
           permutations: int = PERMUTATIONS, names: tuple[str, str] | None = None) -> TwoSampleReport:
-    """compare() on two servers' Drawings (minispec.equivalence.openai), drawn chunk by chunk in step, with the
+    """compare() on two servers' Drawings (minispec.equivalence.drawing), drawn chunk by chunk in step, with the
     early-stop looks of the PIT harness: after each pair of chunks but the last, the samples so far are compared at
     stats.EARLY_ALPHA * alpha / (number of looks), and a failure there stops both drawings; the final comparison runs
     at the alpha left. The engine's draft counts come from the drawing under test."""
