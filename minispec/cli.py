@@ -25,23 +25,9 @@ import torch
 from . import draft_loader
 from .config import DTYPES
 from .drafters import PROMPT_LOOKUP
-from .equivalence import (
-    DEFAULTS,
-    ENGINES,
-    MIN_SAMPLES,
-    ORDERS,
-    EquivalenceInputError,
-    audit_samples,
-    exported,
-    plot_report,
-    run_equivalence,
-)
-from .equivalence.harness import check_window
+from .equivalence import DEFAULTS, MIN_SAMPLES, ORDERS, EquivalenceInputError, audit, audit_samples, plot_report
 from .equivalence.http import REQUEST_S, ServerError, base_url
 from .equivalence.llama_server import CONCURRENCY as LLAMA_CPP_CONCURRENCY
-from .equivalence.llama_server import ENGINE as LLAMA_CPP
-from .equivalence.llama_server import MAX_K, LlamaServer, ServerClient, context_size, server_drawing
-from .equivalence.openai import KINDS as REMOTE_KINDS
 from .equivalence.samples import check_output_path, open_regular
 from .errors import MAX_SEED, GenerationError, InputError, one_line, resolve_device
 from .model import Transformer
@@ -298,12 +284,6 @@ def _url(s: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# the sampling options a samples file states itself (--samples-file rejects them); argparse defaults are None
-# so that an option given can be told from one left at its default (DEFAULTS fills those in)
-SAMPLING_OPTIONS = {"samples": "--samples", "tokens": "--tokens", "temperature": "--temperature", "top_k": "--top-k",
-                    "top_p": "--top-p", "k": "--k", "sampler": "--sampler"}
-
-
 def add_equivalence_args(p: argparse.ArgumentParser) -> None:
     """The `equivalence` subcommand: every value is checked here, so bad input exits with 2 before a model loads."""
     _add_engine_args(p)
@@ -320,7 +300,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=_draft, metavar="DIR|prompt-lookup",
                    help="the draft checkpoint directory, or prompt-lookup (n-gram drafts from the context); needed by "
                         "--engine minispec and transformers-assisted, not with --samples-file")
-    p.add_argument("--engine", choices=(*ENGINES, LLAMA_CPP, *REMOTE_KINDS), default="minispec",
+    p.add_argument("--engine", choices=audit.ENGINES, default="minispec",
                    help="what draws the samples: minispec's speculate (default), transformers' plain sampling, "
                         "transformers' assisted generation (the pair exported by minispec.hf_export, or "
                         "--hf-target/--hf-draft), llama.cpp's llama-server (--server-model, or --url), any "
@@ -412,154 +392,6 @@ def _add_test_args(p: argparse.ArgumentParser, d: dict) -> None:
                    help="the draft's compute dtype, or int4 products on a CPU (default: as generate's --draft-dtype)")
 
 
-def _check_equivalence_options(args) -> None:
-    """The combinations argparse cannot check alone; fills in the sampling defaults."""
-    if args.samples_file is not None:
-        return _check_samples_file_options(args)
-    if args.tree is not None:
-        if args.engine != "minispec":
-            raise UsageError(f"--tree is minispec's token tree (--engine minispec); --engine {args.engine} drafts "
-                             "chains")
-        if args.k is not None:
-            raise UsageError("give --k (a chain of drafts) or --tree (a tree of them), not both")
-        if args.draft == PROMPT_LOOKUP:
-            raise UsageError("--tree needs a model draft (--draft DIR): prompt lookup drafts no tree")
-    for name in SAMPLING_OPTIONS:
-        if getattr(args, name) is None:
-            setattr(args, name, DEFAULTS[name])
-    _check_reference_options(args)
-    if args.engine in REMOTE_KINDS:
-        _check_remote_options(args)
-        return
-    if args.model is not None:
-        raise UsageError("--model goes with --engine openai")
-    if args.engine == LLAMA_CPP:
-        _check_server_options(args)
-        if args.mixed_seeds and args.target is not None:
-            raise UsageError(f"--mixed-seeds with --target: audit the llama-server as --engine openai --url URL/v1 "
-                             f"(the {LLAMA_CPP} engine seeds every request)")
-        return
-    _check_local_engine_options(args)
-
-
-def _check_samples_file_options(args) -> None:
-    """--samples-file: the target to score under, and none of the options the file's first line states or that
-    draw samples."""
-    if args.target is None:
-        raise UsageError("--samples-file needs --target DIR: the samples are scored under the target")
-    given = [flag for name, flag in SAMPLING_OPTIONS.items() if getattr(args, name) is not None]
-    given += [flag for flag, v in (("--model", args.model), ("--reference-url", args.reference_url),
-                                  ("--concurrency", args.concurrency), ("--prompt-ids", args.prompt_ids),
-                                  ("--mixed-seeds", args.mixed_seeds or None)) if v is not None]
-    given += [flag for flag, v in (("--draft", args.draft), ("--prompt", args.prompt), ("--prompts", args.prompts),
-                                  ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                                  ("--save-samples", args.save_samples), ("--draft-dtype", args.draft_dtype),
-                                  ("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                                  ("--url", args.url), ("--server-threads", args.server_threads),
-                                  ("--no-model-check", args.no_model_check or None))
-              if v is not None]
-    if args.engine != "minispec":
-        given.append("--engine")
-    if args.tree is not None:
-        given.append("--tree")
-    if given:
-        raise UsageError(f"{', '.join(given)} do(es) not apply with --samples-file: the file's first line states "
-                         "the settings and its samples are already drawn")
-
-
-def _check_reference_options(args) -> None:
-    """Without --target: a server engine, sampling above temperature 0, a reference deployment and prompts as ids;
-    with it, no --reference-url."""
-    if args.target is None:
-        if args.engine not in (LLAMA_CPP, *REMOTE_KINDS):
-            raise UsageError(f"--engine {args.engine} needs --target DIR (only a server engine can be audited "
-                             "without the target's weights, by the two-sample test)")
-        if args.temperature == 0:
-            raise UsageError("without --target, --temperature 0 cannot be audited: greedy runs are compared with the "
-                             "target's greedy decoding")
-        if args.reference_url is None and not (args.engine == LLAMA_CPP and args.server_model is not None):
-            raise UsageError("without --target the audit compares with reference samples drawn with speculation off: "
-                             "give --reference-url URL (a deployment of the same model without a draft)")
-        if args.prompt is not None or args.prompts is not None:
-            raise UsageError("without --target there is no tokenizer: give the prompts as --prompt-ids 1,2,3")
-    elif args.reference_url is not None:
-        raise UsageError("--reference-url is the two-sample audit's reference; with --target the target itself is "
-                         "the reference")
-
-
-def _check_local_engine_options(args) -> None:
-    """--engine minispec or a transformers engine: no server option, and the draft each one needs."""
-    remote = [f for f, v in (("--model", args.model), ("--reference-url", args.reference_url),
-                             ("--concurrency", args.concurrency), ("--mixed-seeds", args.mixed_seeds or None))
-              if v is not None]
-    if remote:
-        raise UsageError(f"{', '.join(remote)} go(es) with the server engines ({LLAMA_CPP}, "
-                         f"{', '.join(REMOTE_KINDS)})")
-    server = [f for f, v in (("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                             ("--url", args.url), ("--server-threads", args.server_threads),
-                             ("--no-model-check", args.no_model_check or None)) if v is not None]
-    if server:
-        raise UsageError(f"{', '.join(server)} go(es) with --engine {LLAMA_CPP}")
-    if args.engine == "minispec" and args.draft is None:
-        raise UsageError("--engine minispec needs --draft DIR|prompt-lookup (or give --samples-file)")
-    if args.engine != "minispec":
-        if args.draft == PROMPT_LOOKUP:
-            raise UsageError(f"--engine {args.engine} loads a model draft with transformers: prompt-lookup is "
-                             "minispec's own drafter")
-        if args.sampler != "exact":
-            raise UsageError(f"--sampler {args.sampler} is a minispec negative control; --engine {args.engine} "
-                             "samples with transformers' own code")
-        if args.draft_dtype is not None:
-            raise UsageError(f"--draft-dtype is minispec's; --engine {args.engine} loads the draft with transformers")
-        if args.engine == "transformers-assisted" and args.draft is None and args.hf_draft is None:
-            raise UsageError("--engine transformers-assisted needs --draft DIR (exported) or --hf-draft DIR")
-        if args.engine == "transformers" and (args.draft is not None or args.hf_draft is not None):
-            raise UsageError("--engine transformers samples the target alone: --draft/--hf-draft do not apply")
-
-
-def _check_server_options(args) -> None:
-    """--engine llama.cpp: a server to start (--server-model) or one running (--url), and minispec's options out."""
-    if (args.server_model is None) == (args.url is None):
-        raise UsageError(f"--engine {LLAMA_CPP} needs --server-model FILE.gguf (a server started here) or --url URL "
-                         "(one already running), not both")
-    if args.url is not None and (args.server_draft is not None or args.server_threads is not None):
-        raise UsageError("--server-draft and --server-threads start a server; a server at --url runs with its own "
-                         "settings")
-    for path in (args.server_model, args.server_draft):
-        if path is not None and not Path(path).is_file():
-            raise UsageError(f"{path} is not a file (--server-model / --server-draft take GGUF files)")
-    _refuse(args, [("--draft", args.draft), ("--hf-target", args.hf_target), ("--hf-draft", args.hf_draft),
-                   ("--draft-dtype", args.draft_dtype)],
-            f"do(es) not apply with --engine {LLAMA_CPP}: the server samples with its own code (its draft: "
-            "--server-draft)")
-    if not isinstance(args.k, int):
-        raise UsageError(f"--engine {LLAMA_CPP} takes a number for --k (the server's maximum draft length)")
-    if args.k > MAX_K:
-        raise UsageError(f"--k {args.k} is more than {MAX_K}, the longest draft llama-server is asked for (each "
-                         "slot's context holds a round of drafts)")
-
-
-def _refuse(args, options, why: str) -> None:
-    """UsageError naming the given (flag, value) options and --sampler other than exact, when any was given."""
-    given = [f for f, v in options if v is not None] + (["--sampler"] if args.sampler != "exact" else [])
-    if given:
-        raise UsageError(f"{', '.join(given)} {why}")
-
-
-def _check_remote_options(args) -> None:
-    """--engine openai / sglang: a server at --url, nothing started; minispec's own options out."""
-    if args.url is None:
-        raise UsageError(f"--engine {args.engine} needs --url (BASE ending in /v1 for openai, the server's root for "
-                         "sglang)")
-    _refuse(args, [("--server-model", args.server_model), ("--server-draft", args.server_draft),
-                   ("--server-threads", args.server_threads), ("--draft", args.draft), ("--hf-target", args.hf_target),
-                   ("--hf-draft", args.hf_draft), ("--draft-dtype", args.draft_dtype)],
-            f"do(es) not apply with --engine {args.engine}: the server at --url samples with its own code and "
-            "settings")
-    if args.model is not None and args.engine != "openai":
-        raise UsageError("--model goes with --engine openai (SGLang's /generate serves one model)")
-
-
 def _prompt_ids(args) -> list[list[int]]:
     """--prompt-ids "1,2,3" (repeatable) -> the prompts as ids."""
     if not args.prompt_ids:
@@ -574,83 +406,6 @@ def _prompt_ids(args) -> list[list[int]]:
             raise UsageError(f"--prompt-ids {text!r}: give one or more token ids >= 0")
         out.append(ids)
     return out
-
-
-def _remote_audit(args, target, prompts: list[list[int]]):
-    """A server engine by protocol: with the target, its samples through the PIT (audit_samples); without, beside
-    reference samples drawn with speculation off, through the two-sample test. The llama-servers started here
-    (--server-model: the one with --server-draft, and a plain one as the reference) stop however the run ends."""
-    import contextlib
-
-    from tqdm import tqdm
-
-    from .equivalence.drawing import Drawing
-    from .equivalence.openai import Endpoint, check_same_model
-    from .equivalence.two_sample import audit
-    from .sampling import SamplingParams
-
-    params = SamplingParams(args.temperature, args.top_k or None, args.top_p)
-    vocab = target.config.vocab_size if target is not None else 2**31 - 1
-    concurrency = args.concurrency or (LLAMA_CPP_CONCURRENCY if args.engine == LLAMA_CPP else 1)
-    n = args.samples * len(prompts)
-
-    def arm(endpoint, seed, desc):
-        bar = tqdm(total=n, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True)
-        return Drawing(endpoint, prompts, [args.samples] * len(prompts), args.tokens, params, seed, vocab,
-                       concurrency=concurrency, mixed_seeds=args.mixed_seeds, bar=bar)
-
-    with contextlib.ExitStack() as stack:
-        if args.engine == LLAMA_CPP and args.server_model is not None:
-            k = args.k if args.server_draft is not None else 0
-            ctx = context_size(prompts, args.tokens, k)
-            started = stack.enter_context(LlamaServer(args.server_model, args.server_draft, k=args.k,
-                                                      threads=args.server_threads, ctx_size=ctx,
-                                                      parallel=concurrency, timeout=args.request_timeout))
-            test_url = started.client.url + "/v1"
-            if args.reference_url is None:
-                plain = stack.enter_context(LlamaServer(args.server_model, None, threads=args.server_threads,
-                                                        ctx_size=ctx, parallel=concurrency,
-                                                        timeout=args.request_timeout))
-                ref_url = plain.client.url + "/v1"
-            else:
-                ref_url = args.reference_url + "/v1"
-        elif args.engine == LLAMA_CPP:
-            test_url, ref_url = args.url + "/v1", args.reference_url and args.reference_url + "/v1"
-        else:
-            test_url, ref_url = args.url, args.reference_url
-        kind = "sglang" if args.engine == "sglang" else "openai"
-        endpoint = Endpoint(test_url, kind, model=args.model, deadline=args.request_timeout)
-        check = "skipped"
-        if target is not None and not args.no_model_check:
-            check = check_same_model(endpoint, target, prompts[0])  # before any sampling
-        drawing = arm(endpoint, args.seed, args.engine)
-        drawing.settings["model_check"] = check
-        if target is not None:
-            return drawing, None  # drawn as audit_samples scores it, so a failed early-stop look ends the sampling
-        # the reference's seeds follow the test's, so no seed is used twice; both drawn in step, with early looks
-        reference = arm(Endpoint(ref_url, kind, model=args.model, deadline=args.request_timeout), args.seed + n,
-                        "reference")
-        report = audit(drawing, reference, args.batch_size, alpha=args.alpha, seed=args.seed,
-                       power_runs=args.power_runs,
-                       names=(f"{args.engine} at {test_url}", f"speculation off at {ref_url}"))
-    return drawing, report
-
-
-def _server_audit(args, target, prompts: list[list[int]], test: dict):
-    """llama-server's samples audited as they are drawn (a failed early-stop look ends the sampling): a server
-    started for the run (stopped however it ends), or one at --url."""
-    kw = dict(samples=args.samples, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k or None,
-              top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
-              workers=args.concurrency or LLAMA_CPP_CONCURRENCY)
-    if args.url is not None:
-        return audit_samples(target, server_drawing(target, ServerClient(args.url, timeout=args.request_timeout),
-                                                    prompts, **kw), **test)
-    k = args.k if args.server_draft is not None else 0
-    with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
-                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or LLAMA_CPP_CONCURRENCY,
-                     timeout=args.request_timeout) as server:
-        drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
-        return audit_samples(target, drawing, **test)
 
 
 def _read_prompts(args) -> list[str]:
@@ -692,12 +447,12 @@ def _encode_prompts(args, texts: list[str], target) -> list[list[int]]:
 
 
 def run_equivalence_cli(args: argparse.Namespace) -> int:
-    """Run the harness. Exit status: 0 passed, 1 failed (or uncalibrated), 2 bad input.
+    """Run the audit (minispec.equivalence.audit). Exit status: 0 passed, 1 failed (or uncalibrated), 2 bad input.
     Nothing is written (--save-samples, --plot) until the verdict is complete."""
-    _check_equivalence_options(args)
+    audit.check_options(args)
     _check_plot(args)
     if args.target is None:  # the two-sample audit of a server: no model at all
-        _, report = _remote_audit(args, None, _prompt_ids(args))
+        report = audit.two_sample(args, _prompt_ids(args))
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
         return 0 if report.passed else 1
     texts = None if args.samples_file is not None or args.prompt_ids else _read_prompts(args)  # before any model
@@ -712,26 +467,7 @@ def run_equivalence_cli(args: argparse.Namespace) -> int:
         report = audit_samples(target, args.samples_file, **test)
     else:
         prompts = _prompt_ids(args) if args.prompt_ids else _encode_prompts(args, texts, target)
-        sampling = dict(samples=args.samples, tokens=args.tokens, k=args.k, temperature=args.temperature,
-                        top_k=args.top_k or None, top_p=args.top_p, sampler=args.sampler, engine=args.engine,
-                        **({} if args.tree is None else {"tree": args.tree}))
-        if args.engine in REMOTE_KINDS:
-            check_window(target, prompts, args.tokens)
-            report = audit_samples(target, _remote_audit(args, target, prompts)[0], **test)
-        elif args.engine == LLAMA_CPP:
-            check_window(target, prompts, args.tokens)  # before the server starts
-            report = _server_audit(args, target, prompts, test)
-        elif args.engine == "minispec":
-            try:
-                draft = (args.draft if args.draft == PROMPT_LOOKUP
-                         else load_draft(args.draft, device, target, args.draft_dtype))
-            except GenerationError as e:  # a draft made for another target is a bad pair of arguments
-                raise EquivalenceInputError(str(e)) from None
-            report = run_equivalence(target, draft, prompts, **sampling, **test)
-        else:
-            with exported({"target": args.hf_target or args.target,
-                           "draft": args.hf_draft or args.draft}) as hf_dirs:
-                report = run_equivalence(target, None, prompts, hf_dirs=hf_dirs, **sampling, **test)
+        report = audit.run(args, target, prompts, test, device)
     _write_outputs(args, report)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.passed and report.calibrated is not False else 1

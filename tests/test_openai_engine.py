@@ -402,3 +402,27 @@ def test_token_ids_are_ascii_digits_only(token):
         parse_completion(completion({"tokens": ["token_id:1", token, "token_id:3"]}), 3, 32, "tiny", "srv")
     assert "\n" not in str(e.value)
     assert ascii_digits("123") and not ascii_digits(token.partition(":")[2]) and not ascii_digits("")
+
+
+@pytest.mark.parametrize("engine, extra, bound", [
+    ("openai", ["--url", "http://127.0.0.1:1/v1", "--reference-url", "http://127.0.0.1:2/v1"], 2**32 - 2),
+    ("llama.cpp", ["--url", "http://127.0.0.1:1", "--reference-url", "http://127.0.0.1:2"], 2**32 - 2),
+    ("minispec", ["--target", "{target}", "--draft", "prompt-lookup"], 2**63 - 1),
+])
+def test_the_seed_is_checked_against_the_engines_bound(tmp_path, capsys, engine, extra, bound):
+    """--seed is refused (OptionError: one line, exit status 2) above the largest seed the engine takes, before
+    any model loads or server starts; the bound itself passes the option checks."""
+    from minispec.cli import build_parser
+    from minispec.equivalence.audit import OptionError, check_options
+
+    from tiny_files import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path / "t")
+    argv = ["equivalence", "--engine", engine, *[a.format(target=tmp_path / "t") for a in extra], "--prompt-ids", "1"]
+    check_options(build_parser().parse_args([*argv, "--seed", str(bound)]))
+    with pytest.raises(OptionError) as e:
+        check_options(build_parser().parse_args([*argv, "--seed", str(bound + 1)]))
+    assert str(e.value) == f"--seed {bound + 1} is more than {bound}, the largest seed --engine {engine} takes"
+    from helpers import equivalence_cli
+    assert equivalence_cli([*argv[1:], "--seed", str(bound + 1)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {e.value}"

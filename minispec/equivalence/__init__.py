@@ -3,9 +3,12 @@
 Modules: `stats` (the PIT, uniformity tests, Holm: pure functions), `harness` (sampling,
 scoring, the report: `run_equivalence` for an engine it drives, `audit_samples` for samples
 drawn elsewhere), `samples` (the JSONL samples file), `engines` (transformers' sampling and
-assisted generation), `power` (the smallest bias a run would have caught) and `plot`. The
-command line is `python -m minispec equivalence` (minispec.cli); docs/equivalence.md is the
-user's guide.
+assisted generation), `power` (the smallest bias a run would have caught) and `plot`; for
+servers, `http` (bounded requests), `drafts` (the draft counts they report), `drawing` (samples
+drawn from any server), one module per server engine (`llama_server`, `openai`) and
+`two_sample` (the audit without weights); `audit` dispatches to the engines. The command line
+is `python -m minispec equivalence` (minispec.cli, which hands its arguments to `audit`);
+docs/equivalence.md is the user's guide.
 
 Method: the randomized probability integral transform (PIT; Smith 1985, Brockwell
 2007). Draw N speculative continuations of T tokens per prompt. For each sample and
