@@ -115,7 +115,7 @@ def test_the_modules_read_in_the_order_design_md_lists_them():
 # ---- function lengths: speculate reads as one loop, and no function of minispec/ runs past a screen
 
 SPECULATE_MAX = 40  # speculate: choose, propose, verify, commit, observe, and its docstring
-FUNCTION_MAX = 60  # every function of minispec/ but equivalence/, whose layering is issue 46's item 3
+FUNCTION_MAX = 60  # every function of minispec/, equivalence/ included
 
 
 def function_lengths(path: Path, root: Path = PACKAGE.parent) -> dict[str, int]:
@@ -139,8 +139,7 @@ def test_function_lengths_count_decorators_and_docstrings(tmp_path):
 def test_speculate_and_every_function_are_short():
     lengths: dict[str, int] = {}
     for p in sorted(PACKAGE.rglob("*.py")):
-        if "equivalence" not in p.relative_to(PACKAGE).parts:
-            lengths.update(function_lengths(p))
+        lengths.update(function_lengths(p))
     assert lengths["minispec/speculative.py:speculate"] <= SPECULATE_MAX
     too_long = {k: n for k, n in lengths.items() if n > FUNCTION_MAX}
     assert not too_long, f"over {FUNCTION_MAX} lines: {too_long}"

@@ -13,7 +13,7 @@ import math
 import re
 
 from ..errors import is_int, show
-from .http import ServerError, base_url, get_text
+from .http import SMALL_REQUEST_S, ServerError, base_url, get_text
 
 MAX_DRAFT_COUNT = 2**31 - 1  # llama.cpp counts drafted tokens in an int32
 
@@ -71,7 +71,6 @@ def sglang_meta(meta: dict, where: str) -> tuple[int | None, int | None]:
 METRICS = {"drafted": ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"),
            "accepted": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens")}
 METRICS_BYTES = 8 << 20  # a vLLM /metrics page is tens of KB; far more is not a metrics page
-METRICS_DEADLINE = 30.0
 _SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*")
 _LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
 
@@ -145,7 +144,7 @@ def read_metrics(endpoint) -> dict | None:
     """The spec-decode counters of the server's /metrics (at its root, beside BASE), or None when it has no such
     endpoint or counters. endpoint: a drawing.Endpoint (its url, deadline, model and name)."""
     root = base_url(endpoint.url)
-    text = get_text(root + "/metrics", deadline=min(endpoint.deadline, METRICS_DEADLINE), max_bytes=METRICS_BYTES,
+    text = get_text(root + "/metrics", deadline=min(endpoint.deadline, SMALL_REQUEST_S), max_bytes=METRICS_BYTES,
                     server_name=endpoint.name)
     return None if text is None else parse_metrics(text, endpoint.model, endpoint.name)
 

@@ -496,32 +496,49 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
     stats: dict = {}
     bar = _progress_bar(sum(counts), "speculative" if engine == "minispec" else engine, progress and not params.greedy)
     if engine == "minispec":
-        draft_name = names.get("draft", draft if isinstance(draft, str) else "(model)")
-        k_name = None if tree is not None else k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
-        tree_name = None if tree is None else tree if isinstance(tree, str) else str(tree) if isinstance(
-            tree, DynamicTree) else list(tree)
-        how = f"k={k_name}" if tree is None else f"tree={tree_text(tree)}"
-        settings.update(engine_version=__version__, draft=draft_name, k=k_name, sampler=sampler,
-                        under_test=f"speculative (sampler={sampler}, draft={draft_name}, {how})")
-        file_settings.update(sampler=sampler, draft=draft_name, k=k_name, seed=seed)
-        if tree is not None:
-            settings["tree"] = file_settings["tree"] = tree_name
-        notes += _control_notes(sampler, draft, params, tree)
+        notes += _describe_minispec(settings, file_settings, draft, k, tree, sampler, seed, params, names)
         chunks = _minispec_chunks(target, draft, batch, counts, tokens, params, k, sampler, seed, batch_size, stats,
                                   bar, tree)
     else:
         eng = TransformersEngine(engine, hf_dirs, target, batch[0], params, tokens, k)
-        assisted = eng.info.get("assistant")
-        how = (f"assisted generation, assistant {names.get('draft', hf_dirs['draft'])}, num_assistant_tokens="
-               f"{assisted['num_assistant_tokens']}" if assisted else "sampling")
-        settings.update(eng.info, draft=names.get("draft", hf_dirs.get("draft")) if assisted else None,
-                        k=k if assisted else None, sampler=None,
-                        under_test=f"transformers {eng.info['engine_version']} {how}")
-        file_settings.update(seed=seed, **({"assistant": assisted} if assisted else {}))
+        _describe_transformers(settings, file_settings, eng.info, hf_dirs, k, seed, names)
         chunks = eng.chunks(batch, counts, seed, batch_size, bar)
     t_start = time.perf_counter()
     report = _verdict(target, chunks, batch, counts, params, tokens, settings, file_settings, notes, seed, alpha,
                       bins, orders, reference, batch_size, progress, power_runs, interim=True, t_start=t_start)
+    _speculation(report, stats)
+    return report
+
+
+def _describe_minispec(settings: dict, file_settings: dict, draft, k, tree, sampler: str, seed: int,
+                       params: SamplingParams, names: dict) -> list[str]:
+    """What the report and the samples' settings line say of a minispec run; returns the negative control's notes."""
+    draft_name = names.get("draft", draft if isinstance(draft, str) else "(model)")
+    k_name = None if tree is not None else k if isinstance(k, (int, str)) else f"AdaptiveK(k_max={k.k_max})"
+    tree_name = None if tree is None else tree if isinstance(tree, str) else str(tree) if isinstance(
+        tree, DynamicTree) else list(tree)
+    how = f"k={k_name}" if tree is None else f"tree={tree_text(tree)}"
+    settings.update(engine_version=__version__, draft=draft_name, k=k_name, sampler=sampler,
+                    under_test=f"speculative (sampler={sampler}, draft={draft_name}, {how})")
+    file_settings.update(sampler=sampler, draft=draft_name, k=k_name, seed=seed)
+    if tree is not None:
+        settings["tree"] = file_settings["tree"] = tree_name
+    return _control_notes(sampler, draft, params, tree)
+
+
+def _describe_transformers(settings: dict, file_settings: dict, info: dict, hf_dirs: dict, k, seed: int,
+                           names: dict) -> None:
+    """What the report and the samples' settings line say of a transformers run (`info`: the engine's own)."""
+    assisted = info.get("assistant")
+    how = (f"assisted generation, assistant {names.get('draft', hf_dirs['draft'])}, num_assistant_tokens="
+           f"{assisted['num_assistant_tokens']}" if assisted else "sampling")
+    settings.update(info, draft=names.get("draft", hf_dirs.get("draft")) if assisted else None,
+                    k=k if assisted else None, sampler=None, under_test=f"transformers {info['engine_version']} {how}")
+    file_settings.update(seed=seed, **({"assistant": assisted} if assisted else {}))
+
+
+def _speculation(report: EquivalenceReport, stats: dict) -> None:
+    """A minispec run's draft counts into the report, with a note where nothing was drafted."""
     if stats.get("drafted") is not None:
         d = stats["drafted"]
         report.speculation = {"acceptance_rate": stats["accepted"] / d if d else 0.0,
@@ -531,7 +548,6 @@ def run_equivalence(target, draft, prompts, samples: int = DEFAULTS["samples"], 
             report.notes.append("the drafter proposed no tokens, so no draft was ever verified: the test says "
                                 "nothing about the acceptance rule (prompt lookup needs repeated n-grams in the "
                                 "context)")
-    return report
 
 
 def audit_samples(target, samples: SampleSet | Drawing | str | Path, seed: int = 0, alpha: float = DEFAULTS["alpha"],

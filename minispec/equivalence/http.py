@@ -32,6 +32,7 @@ import urllib.parse
 from ..errors import InputError, one_line, show
 
 MAX_BYTES = 16 << 20  # an answer's size cap: far above any answer the harness asks for, far below memory
+SMALL_REQUEST_S = 30.0  # the deadline of an answer that needs no sampling (/props, /v1/models, /detokenize, /metrics)
 REQUEST_S = 300.0  # the default deadline of a whole answer (--request-timeout): a sampled answer on a slow server
 CHUNK = 1 << 16
 
@@ -172,24 +173,11 @@ def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, 
             raise ServerError(f"{where} was stopped")
         conn.request(method, path, body=data, headers={"Content-Type": "application/json", "Accept": accept})
         resp = conn.getresponse()
-        declared = resp.getheader("Content-Length", "")
-        if ascii_digits(declared.strip()) and int(declared) > max_bytes:
-            raise ServerError(f"{where} answered {int(declared)} bytes, over the {max_bytes}-byte limit on an "
-                              "answer's size")
-        raw, n = [], 0
-        while n <= max_bytes:
-            chunk = resp.read(min(CHUNK, max_bytes + 1 - n))
-            if not chunk:
-                break
-            raw.append(chunk)
-            n += len(chunk)
-        if n > max_bytes:
-            raise ServerError(f"{where} answered more than {max_bytes} bytes, the limit on an answer's size")
+        raw, declared = _read(resp, where, max_bytes)
         if expired.is_set() or (cancel is not None and cancel.cancelled):  # a shut connection reads as an early end
             raise ConnectionAbortedError("the connection was shut")
-        if ascii_digits(declared.strip()) and n < int(declared):
-            raise http.client.IncompleteRead(b"", int(declared) - n)
-        raw = b"".join(raw)
+        if declared is not None and len(raw) < declared:
+            raise http.client.IncompleteRead(b"", declared - len(raw))
     except (OSError, http.client.HTTPException, ValueError) as e:
         if expired.is_set() or isinstance(e, TimeoutError):
             raise ServerError(f"{where} timed out: no complete answer within {deadline:g} s (the deadline for a "
@@ -204,12 +192,37 @@ def _exchange(url: str, data: bytes | None, *, deadline: float, max_bytes: int, 
         conn.close()
         if sock is not None:
             sock.close()
-    if 300 <= resp.status < 400:  # not followed: the audit asks the server it was given, so it names the new address
+    _not_redirected(resp, where)
+    return resp.status, raw, where
+
+
+def _read(resp, where: str, max_bytes: int) -> tuple[bytes, int | None]:
+    """The answer's body, read up to max_bytes (a declared length over it refused before reading, an endless body
+    cut there), and its declared length (None: not declared)."""
+    declared = resp.getheader("Content-Length", "").strip()
+    declared = int(declared) if ascii_digits(declared) else None
+    if declared is not None and declared > max_bytes:
+        raise ServerError(f"{where} answered {declared} bytes, over the {max_bytes}-byte limit on an answer's size")
+    raw, n = [], 0
+    while n <= max_bytes:
+        chunk = resp.read(min(CHUNK, max_bytes + 1 - n))
+        if not chunk:
+            break
+        raw.append(chunk)
+        n += len(chunk)
+    if n > max_bytes:
+        raise ServerError(f"{where} answered more than {max_bytes} bytes, the limit on an answer's size")
+    return b"".join(raw), declared
+
+
+def _not_redirected(resp, where: str) -> None:
+    """ServerError for a redirect: not followed, since the audit asks the server it was given, so it names the new
+    address."""
+    if 300 <= resp.status < 400:
         location = resp.getheader("Location")
         raise ServerError(f"{where} answered HTTP {resp.status}, a redirect to "
                           f"{'nowhere (no Location header)' if location is None else show(location, 200)}; "
                           "redirects are not followed: give that address instead")
-    return resp.status, raw, where
 
 
 def get_json(url: str, payload=None, *, deadline: float, max_bytes: int = MAX_BYTES, server_name: str,

@@ -58,7 +58,17 @@ from ..sampling import SamplingParams
 from .drafts import llama_timings
 from .drawing import PROB_TOLERANCE, Drawing, ModelMismatchError, check_seed_range, prob_difference
 from .drawing import Endpoint as EndpointBase
-from .http import MAX_BYTES, REQUEST_S, Cancel, ServerError, ServerUnreachable, base_url, check_seconds, get_json
+from .http import (
+    MAX_BYTES,
+    REQUEST_S,
+    SMALL_REQUEST_S,
+    Cancel,
+    ServerError,
+    ServerUnreachable,
+    base_url,
+    check_seconds,
+    get_json,
+)
 from .samples import SampleSet
 
 ENGINE = "llama.cpp"
@@ -74,7 +84,6 @@ OFF = dict(min_p=0.0, typical_p=1.0, top_n_sigma=-1.0, xtc_probability=0.0, dry_
            t_max_predict_ms=0, n_indent=0)
 PIECES = 32  # token ids whose text the model check compares
 MAX_K = 64  # the longest draft a server is asked for: each slot's context holds a round of them
-SMALL_REQUEST_S = 30.0  # the deadline of an answer that needs no sampling (/props, /v1/models, /detokenize)
 STOP_S = 5.0  # how long a stopped server may take to exit on SIGTERM before it is killed
 
 
