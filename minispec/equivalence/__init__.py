@@ -47,8 +47,20 @@ during the test (stop_tokens=[]), so every sample has exactly T tokens.
 
 from ..drafters import PROMPT_LOOKUP  # noqa: F401
 from .engines import ENGINES, exported  # noqa: F401
-from .harness import DEFAULTS, EARLY_ALPHA, MIN_SAMPLES, EquivalenceReport, audit_samples, run_equivalence, target_pit  # noqa: F401
+from .harness import DEFAULTS, EquivalenceReport, audit_samples, run_equivalence, target_pit  # noqa: F401
 from .plot import plot_report  # noqa: F401
 from .power import KINDS, Power, detectable_bias  # noqa: F401
-from .samples import EquivalenceInputError, SampleSet, SamplesFileError, read_samples  # noqa: F401
-from .stats import ORDERS, TESTS, RunStats, Uniformity, analyse, chi2_bins, holm, pit, uniformity, uniformity_batch  # noqa: F401
+from .samples import MIN_SAMPLES, EquivalenceInputError, SampleSet, SamplesFileError, read_samples  # noqa: F401
+from .stats import (  # noqa: F401
+    EARLY_ALPHA,
+    ORDERS,
+    TESTS,
+    RunStats,
+    Uniformity,
+    analyse,
+    chi2_bins,
+    holm,
+    pit,
+    uniformity,
+    uniformity_batch,
+)

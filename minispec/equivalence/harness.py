@@ -31,7 +31,7 @@ from .engines import ENGINES, TransformersEngine
 from .llama_server import ENGINE as LLAMA_CPP
 from .power import HEAD, RUNS, Power, detectable_bias, head_rows
 from .samples import MIN_SAMPLES, SETTINGS_KEYS, EquivalenceInputError, SampleSet, group, read_samples, validate
-from .stats import EARLY_ALPHA, ORDERS, RunStats, analyse, look_alphas, pit  # noqa: F401
+from .stats import ORDERS, RunStats, analyse, look_alphas, pit
 
 # The defaults (Hugging Face's top_k=50, a common temperature) give each negative control of
 # minispec.controls a real effect: temperature != 1 and top-k make the processed q differ from the
