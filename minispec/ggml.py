@@ -7,7 +7,10 @@ them, chosen once, when the matrix is loaded:
 - `libminispec_iqk.so` (native/iqk_shim.c): ik_llama.cpp's row-tiled product, iqk_mul_mat, which unpacks each
   weight block once for a tile of up to 8 activation rows (a verify pass's rows nearly share one decode step's
   cost); each activation row quantized alone to the type its kernel takes (Q8_2_X4 for the K-quants on x86).
-  The default wherever it is built and takes the matrix's type.
+  The default wherever it is built and takes the matrix's type. On a CPU with AVX-512 VNNI its Q4_K and Q6_K
+  matrices are interleaved at load into minispec's own 16-row tiles instead (native/ms_rows.h: one 512-bit
+  register holds four values of each of 16 weight rows, multiplied by vpmaddubsw / vpmaddwd against an
+  activation row's int8 values broadcast); `MINISPEC_FORM=ik` at load keeps ik's interleaved forms, to compare.
 - `libminispec_ggml.so` (native/ggml_shim.c): llama.cpp's ggml, every output one `vec_dot` of one weight row
   with one activation row (Q8_K for the K-quants), Q4_K repacked as llama.cpp does on AVX2.
 
@@ -58,6 +61,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     lib.ms_dequantize.argtypes = [ctypes.c_int, p, i64, i64, p]
     if hasattr(lib, "ms_quantize"):
         lib.ms_quantize.argtypes = [ctypes.c_int, p, i64, i64, p]
+    if hasattr(lib, "ms_rows_built"):  # ik's library: minispec's own tiles compiled in or not
+        lib.ms_rows_built.restype = ctypes.c_int
     if hasattr(lib, "ms_repackable"):  # llama.cpp's: its repacked Q4_K product
         lib.ms_repackable.argtypes = [ctypes.c_int, i64, i64]
         lib.ms_matmul_repacked.argtypes = lib.ms_matmul.argtypes

@@ -6,8 +6,11 @@
 // for the K-quants on AVX2). A call multiplies at most EXACT_ROWS rows: below ik's switch (32 rows and more) to
 // converting the weights first, so every row goes through the same kernels whatever the row count; its tiles of 1-8
 // rows keep one accumulator a row with the same operations in the same order, so a row's bits do not depend on the
-// other rows of the pass, nor on the thread count (tests/test_iqk.py checks both, bit for bit, for every type).
+// other rows of the pass, nor on the thread count (tests/test_ggml.py checks both, bit for bit, for every type).
 // Threads (ms_pool.h) split the weight rows as iqk_mul_mat does for its own ith / nth.
+//
+// Where the CPU has AVX-512 VNNI, Q4_K and Q6_K matrices take minispec's own 16-row tiles instead (ms_rows.h,
+// chosen at load by ms_repack), with the same contract.
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +20,7 @@
 #include "ggml.h"
 #include "ms_pool.h"
 #include "ms_layer.h"
+#include "ms_rows.h"
 
 // ik_llama.cpp's entry point (ggml/src/iqk/iqk_mul_mat.h, extern "C", linked from the static ggml): C (Ny, Nx) =
 // B (Ny rows of typeB) times A (Nx rows of typeA) transposed, the part of the weight rows thread ith of nth takes
@@ -52,7 +56,21 @@ int ms_init(void) {
     return 0;
 }
 
-size_t ms_row_size(int type, int64_t k) { return ggml_row_size((enum ggml_type)type, k); }
+// Whether minispec's own 16-row tiles (ms_rows.h) are compiled in: on x86 with AVX-512 VNNI, F16C and BW.
+int ms_rows_built(void) {
+#ifdef MS_ROWS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+size_t ms_row_size(int type, int64_t k) {
+#ifdef MS_ROWS
+    if (type == MS_Q8_X16) return ms_q8x_row(k);
+#endif
+    return ggml_row_size((enum ggml_type)type, k);
+}
 
 // The activation type ik's product takes for a weight type, or -1 where it has none: the type traits' vec_dot_type,
 // confirmed by a trial product of a zero 32 x 256 matrix (iqk_mul_mat refuses a pair it has no kernel for).
@@ -74,6 +92,9 @@ static int probe(int type) {
 static int g_vec_dot_type[GGML_TYPE_COUNT];  // probe(type) + 2, 0 until probed (a race only probes twice)
 
 int ms_vec_dot_type(int type) {
+#ifdef MS_ROWS
+    if (type == MS_Q4_K_X16 || type == MS_Q6_K_X16) return MS_Q8_X16;
+#endif
     if (type < 0 || type >= GGML_TYPE_COUNT) return -1;
     if (!g_vec_dot_type[type]) g_vec_dot_type[type] = probe(type) + 2;
     return g_vec_dot_type[type] - 2;
@@ -84,6 +105,12 @@ int ms_vec_dot_type(int type) {
 // Returns 0, or -1 for a type without a product.
 int ms_matmul(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y, void *scratch,
               int threads) {
+#ifdef MS_ROWS
+    if (type == MS_Q4_K_X16 || type == MS_Q6_K_X16) {
+        ms_rows_matmul(type, w, n, k, x, rows, y, scratch, threads);
+        return 0;
+    }
+#endif
     const int vt = ms_vec_dot_type(type);
     if (vt < 0) return -1;
     const size_t x_row = ggml_row_size((enum ggml_type)vt, k);
@@ -97,12 +124,18 @@ int ms_matmul(int type, const void *w, int64_t n, int64_t k, const float *x, int
 
 void iqk_repack_tensor(struct ggml_tensor *tensor);  // ggml/src/iqk/iqk_quantize.h, extern "C"
 
-// Writes the (n, k) matrix w of `type` to dst (as many bytes) in ik's row-interleaved form (Q4_K as Q4_K_R4, four
-// rows to a block, ...: what its -rtr does at load), through ik's own repacking. Returns the interleaved form's
-// type (which ms_matmul then takes), or -1 where there is none. Only for a row count that every interleaved form's
-// kernel takes whole (ik's kernels assert it, aborting the process, rather than return).
+// Writes the (n, k) matrix w of `type` to dst (as many bytes) in the fastest interleaved form here: minispec's own
+// 16-row tiles for Q4_K and Q6_K where the CPU has AVX-512 VNNI (ms_rows.h; MINISPEC_FORM=ik at load takes ik's
+// instead, for comparison), else ik's row-interleaved form (Q4_K as Q4_K_R4, four rows to a block, ...: what its
+// -rtr does at load), through ik's own repacking. Returns the form's type (which ms_matmul then takes), or -1 where
+// there is none. Only for a row count that every interleaved form's kernel takes whole (ik's kernels assert it,
+// aborting the process, rather than return).
 int ms_repack(int type, const void *w, int64_t n, int64_t k, void *dst) {
     if (n % 16 != 0) return -1;
+#ifdef MS_ROWS
+    const char *form = getenv("MINISPEC_FORM");
+    if (!(form && strcmp(form, "ik") == 0) && ms_rows_form(type, n, k) >= 0) return ms_rows_repack(type, w, n, k, dst);
+#endif
     struct ggml_init_params params = {ggml_tensor_overhead() * 2, NULL, true};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) return -1;

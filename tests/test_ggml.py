@@ -4,8 +4,8 @@
 - ggml's own dequantization equals gguf-py's on random valid Q4_K and Q6_K blocks (and on Q5_0 / Q8_0
   blocks gguf-py quantizes), so the products multiply the file's values.
 - Each product against the float product of those values: activations are quantized first (Q8_K or Q8_0 for
-  llama.cpp's, Q8_2_X4 or Q8_0_X4 for ik's), so it is not the float product; the bound per type, stated below,
-  is measured.
+  llama.cpp's, Q8_2_X4 or Q8_0_X4 for ik's, int8 per 256 values for minispec's own 16-row tiles), so it is not
+  the float product; the bound per type, stated below, is measured.
 - Every type, every row count from 1 to 16: each row's output identical to that row computed alone, and at 1
   and 2 threads identical; more rows than one pass takes likewise.
 - The product is chosen at load (MINISPEC_PRODUCT, else ik's where it is built); without either library one
@@ -91,7 +91,7 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(kind, repack, prod
     n, k = (136 if product == "ggml" else 144), 768
     w = forms.GgmlWeight(kind, torch.from_numpy(blocks(kind, n, k, 4)), k, repack=repack)
     assert w.product_name == product
-    if product == "iqk" and kind in ("q4_k", "q6_k"):  # interleaved (Q4_K_R4, Q6_K_R4), rows alike as built
+    if product == "iqk" and kind in ("q4_k", "q6_k"):  # interleaved (16-row tiles or Q4_K_R4, Q6_K_R4), rows alike
         assert (w.repacked is not None) == repack
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     before = torch.get_num_threads()
@@ -132,6 +132,42 @@ def test_q4_k_is_repacked_where_ggml_repacks_it_and_agrees_with_the_file_form(mo
     with kernels.plain():
         assert torch.equal(packed(x), torch.nn.functional.linear(x, values(raw.numpy(), "q4_k", n, k)))
     assert forms.GgmlWeight("q4_k", raw[:60], k).repacked is None  # 60 rows: not eight to a tile
+
+
+TILES = {"q4_k": 1012, "q6_k": 1014}  # native/ms_rows.h's type ids for minispec's 16-row tiles
+TILES_BUILT = BUILT["iqk"] and bool(ggml._iqk_library().ms_rows_built())
+
+
+@pytest.mark.skipif(not TILES_BUILT, reason="minispec's 16-row tiles need AVX-512 VNNI (and the iqk library)")
+@pytest.mark.parametrize("kind", list(TILES))
+def test_minispec_tiles_multiply_the_file_values_every_row_alone(kind, monkeypatch):
+    monkeypatch.setenv("MINISPEC_PRODUCT", "iqk")
+    n, k = 48, 768  # three tiles: no thread split of two divides them evenly
+    raw = blocks(kind, n, k, 12)
+    w = forms.GgmlWeight(kind, torch.from_numpy(raw), k)
+    assert w._run[1] == TILES[kind] and w.repacked.shape == w.blocks.shape  # the same bytes, interleaved
+    exact = values(raw, kind, n, k).double()
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(13))  # past the 64 rows one pass over a tile keeps
+    err = (w(x).double() - x.double() @ exact.T).abs() / (x.double().abs() @ exact.abs().T)
+    assert (err <= BOUND[kind]).all() and err.max() > 0, err.max()
+    # a call of 100 rows (as the compiled blocks make for a prefill) against each row alone, at 1 and 2 threads
+    lib, (matmul, type_id, x_row) = w.lib, w._run
+    scratch = torch.empty(100 * x_row, dtype=torch.uint8)
+
+    def call(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], n)
+        assert matmul(type_id, w.repacked.data_ptr(), n, k, rows.data_ptr(), rows.shape[0], y.data_ptr(),
+                      scratch.data_ptr(), threads) == 0
+        return y
+    alone = torch.cat([call(x[i:i + 1], 1) for i in range(100)])
+    assert torch.equal(call(x, 1), alone) and torch.equal(call(x, 2), alone) and torch.equal(call(x[:9], 2), alone[:9])
+    assert lib.ms_vec_dot_type(type_id) == 1015 and x_row == lib.ms_row_size(1015, k)
+    # the control: ik's interleaved form, asked for at load, computes the same values with other activations
+    monkeypatch.setenv("MINISPEC_FORM", "ik")
+    ik = forms.GgmlWeight(kind, torch.from_numpy(raw), k)
+    assert ik._run[1] != TILES[kind]
+    other = ik(x[:4])
+    assert not torch.equal(other, alone[:4]) and (other - alone[:4]).abs().max() <= 1e-5 * alone[:4].abs().max()
 
 
 @needs_library
