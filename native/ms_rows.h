@@ -35,6 +35,11 @@
 #define MS_Q4_K_BYTES 144  // a Q4_K block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 #define MS_Q6_K_BYTES 210  // a Q6_K block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16)
 #define MS_ROWS_CHUNK 64  // activation rows whose accumulators one pass over a tile keeps
+// Bytes ahead that a pass of several rows prefetches the weights, a line at a time among the products: the
+// hardware's prefetcher stops at each 4 KiB page, and a pass computing several rows a block waits at every page
+// (a 9-row pass of the 1.5B's products took 1.25x as long without). A decode step streams fast enough without, and
+// slower with.
+#define MS_PREFETCH 4096
 // An activation row of k values (k a multiple of 256, nb = k / 256 blocks): nb float scales, nb x 16 int16 sums of
 // 16 values, nb x 8 int16 sums of 32, then the k int8 values.
 static inline size_t ms_q8x_row(int64_t k) { return (size_t)(k / 256) * (4 + 32 + 16 + 256); }
@@ -141,7 +146,8 @@ static inline __m512i ms_pairs_i8(__m128i b, __m128i c) {
 // dmin per lane), into acc (G x 16 floats): acc += dx (d isc - dmin imin), isc and imin exact int32
 static inline __attribute__((always_inline)) void ms_q4k_rows(const int G, const uint8_t *blk, const __m512i *SC,
                                                                const __m512i *MP, __m512 d, __m512 dmin,
-                                                               const struct ms_xrow *x, int64_t sb, float *acc) {
+                                                               const struct ms_xrow *x, int64_t sb, float *acc,
+                                                               int64_t pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i isc[8];
     for (int r = 0; r < G; r++) isc[r] = _mm512_setzero_si512();
@@ -149,6 +155,7 @@ static inline __attribute__((always_inline)) void ms_q4k_rows(const int G, const
         __m512i lo[8], hi[8];
         for (int g = 0; g < 8; g++) {
             const __m512i z = _mm512_loadu_si512((const void *)(blk + 256 + (p * 8 + g) * 64));
+            if (pf) _mm_prefetch((const char *)blk + pf + (p * 8 + g) * 72, _MM_HINT_T0);
             const __m512i wl = _mm512_and_si512(z, m4), wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
             for (int r = 0; r < G; r++) {
                 const int8_t *q = x[r].q + sb * 256 + 64 * p + 4 * g;
@@ -175,7 +182,7 @@ static inline __attribute__((always_inline)) void ms_q4k_rows(const int G, const
 // lane), into acc: acc += dx d (isc - 32 ioff), isc = sum_g sc_g sum q x and ioff = sum_g sc_g sum x exact int32
 static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const uint8_t *blk, const __m512i *SC,
                                                                const __m512i *SP, __m512 d, const struct ms_xrow *x,
-                                                               int64_t sb, float *acc) {
+                                                               int64_t sb, float *acc, int64_t pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     __m512i isc[4];
     for (int r = 0; r < G; r++) isc[r] = _mm512_setzero_si512();
@@ -184,6 +191,8 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
             __m512i t[4][4];
             for (int g = g0; g < g0 + 2; g++) {  // the weights read in the order they lie: the memory streams
                 const uint8_t *hg = blk + 288 + (h * 8 + g) * 192;
+                if (pf)
+                    for (int i = 0; i < 192; i += 64) _mm_prefetch((const char *)hg + pf + i, _MM_HINT_T0);
                 const __m512i l0 = _mm512_loadu_si512((const void *)hg);
                 const __m512i l1 = _mm512_loadu_si512((const void *)(hg + 64));
                 const __m512i qh = _mm512_loadu_si512((const void *)(hg + 128));
@@ -218,7 +227,7 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
 #define MS_Q4K_GROUP 8
 #define MS_Q6K_GROUP 4
 
-static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc) {
+static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc, int64_t pf) {
     for (int64_t sb = 0; sb < nb; sb++) {
         const uint8_t *blk = w + sb * MS_TILE * MS_Q4_K_BYTES, *P = blk + 64;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
@@ -248,7 +257,7 @@ static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, i
             const int64_t G = (rows - r0) / (groups - gi);
             switch (G) {
 #define MS_CASE(n) \
-    case n: ms_q4k_rows(n, blk, SC, MP, d, dm, x + r0, sb, acc + 16 * r0); break;
+    case n: ms_q4k_rows(n, blk, SC, MP, d, dm, x + r0, sb, acc + 16 * r0, pf); break;
                 MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(5) MS_CASE(6) MS_CASE(7) MS_CASE(8)
 #undef MS_CASE
             }
@@ -257,7 +266,7 @@ static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, i
     }
 }
 
-static void ms_q6k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc) {
+static void ms_q6k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc, int64_t pf) {
     for (int64_t sb = 0; sb < nb; sb++) {
         const uint8_t *blk = w + sb * MS_TILE * MS_Q6_K_BYTES;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
@@ -271,7 +280,7 @@ static void ms_q6k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, i
             const int64_t G = (rows - r0) / (groups - gi);
             switch (G) {
 #define MS_CASE(n) \
-    case n: ms_q6k_rows(n, blk, SC, SP, d, x + r0, sb, acc + 16 * r0); break;
+    case n: ms_q6k_rows(n, blk, SC, SP, d, x + r0, sb, acc + 16 * r0, pf); break;
                 MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4)
 #undef MS_CASE
             }
@@ -299,11 +308,12 @@ static void ms_rows_part(const void *arg, int64_t part, int64_t parts) {
     for (int64_t r0 = 0; r0 < j->rows; r0 += MS_ROWS_CHUNK) {
         const int64_t rows = j->rows - r0 < MS_ROWS_CHUNK ? j->rows - r0 : MS_ROWS_CHUNK;
         for (int64_t r = 0; r < rows; r++) x[r] = ms_xrow_at(j->xq + (size_t)(r0 + r) * j->x_row, nb);
+        const int64_t pf = rows > 1 ? MS_PREFETCH : 0;
         for (int64_t t = tiles * part / parts; t < tiles * (part + 1) / parts; t++) {
             memset(acc, 0, (size_t)rows * MS_TILE * sizeof(float));
             const uint8_t *w = j->w + (size_t)t * tile_bytes;
-            if (j->type == MS_Q4_K_X16) ms_q4k_tile(w, nb, x, rows, acc);
-            else ms_q6k_tile(w, nb, x, rows, acc);
+            if (j->type == MS_Q4_K_X16) ms_q4k_tile(w, nb, x, rows, acc, pf);
+            else ms_q6k_tile(w, nb, x, rows, acc, pf);
             for (int64_t r = 0; r < rows; r++)
                 memcpy(j->y + (r0 + r) * j->n + t * MS_TILE, acc + r * MS_TILE, MS_TILE * sizeof(float));
         }
