@@ -153,6 +153,7 @@ static inline __attribute__((always_inline)) void ms_q4k_rows(const int G, const
     for (int r = 0; r < G; r++) isc[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
         __m512i lo[8], hi[8];
+        for (int r = 0; r < G; r++) lo[r] = hi[r] = _mm512_setzero_si512();
         for (int g = 0; g < 8; g++) {
             const __m512i z = _mm512_loadu_si512((const void *)(blk + 256 + (p * 8 + g) * 64));
             if (pf) _mm_prefetch((const char *)blk + pf + (p * 8 + g) * 72, _MM_HINT_T0);
@@ -160,8 +161,8 @@ static inline __attribute__((always_inline)) void ms_q4k_rows(const int G, const
             for (int r = 0; r < G; r++) {
                 const int8_t *q = x[r].q + sb * 256 + 64 * p + 4 * g;
                 const __m512i a = _mm512_maddubs_epi16(wl, ms_bcast4(q)), b = _mm512_maddubs_epi16(wh, ms_bcast4(q + 32));
-                lo[r] = g ? _mm512_add_epi16(lo[r], a) : a;
-                hi[r] = g ? _mm512_add_epi16(hi[r], b) : b;
+                lo[r] = _mm512_add_epi16(lo[r], a);
+                hi[r] = _mm512_add_epi16(hi[r], b);
             }
         }
         for (int r = 0; r < G; r++) {
@@ -189,6 +190,8 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
     for (int h = 0; h < 2; h++)
         for (int g0 = 0; g0 < 8; g0 += 2) {  // two registers' values a group's int16 sums take
             __m512i t[4][4];
+            for (int r = 0; r < G; r++)
+                for (int s = 0; s < 4; s++) t[r][s] = _mm512_setzero_si512();
             for (int g = g0; g < g0 + 2; g++) {  // the weights read in the order they lie: the memory streams
                 const uint8_t *hg = blk + 288 + (h * 8 + g) * 192;
                 if (pf)
@@ -206,7 +209,7 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
                     const int8_t *q = x[r].q + sb * 256 + 128 * h + 4 * g;
                     for (int s = 0; s < 4; s++) {
                         const __m512i a = _mm512_maddubs_epi16(w[s], ms_bcast4(q + 32 * s));
-                        t[r][s] = g > g0 ? _mm512_add_epi16(t[r][s], a) : a;
+                        t[r][s] = _mm512_add_epi16(t[r][s], a);
                     }
                 }
             }
@@ -224,8 +227,8 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
 }
 
 // group sizes: the rows whose accumulators fit the 32 registers beside the weights'
-#define MS_Q4K_GROUP 8
-#define MS_Q6K_GROUP 4
+#define MS_Q4K_GROUP 5
+#define MS_Q6K_GROUP 2
 
 static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc, int64_t pf) {
     for (int64_t sb = 0; sb < nb; sb++) {
