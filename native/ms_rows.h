@@ -227,8 +227,8 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
 }
 
 // group sizes: the rows whose accumulators fit the 32 registers beside the weights'
-#define MS_Q4K_GROUP 5
-#define MS_Q6K_GROUP 2
+#define MS_Q4K_GROUP 8
+#define MS_Q6K_GROUP 4
 
 static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc, int64_t pf) {
     for (int64_t sb = 0; sb < nb; sb++) {
