@@ -1,6 +1,8 @@
 """Rows against a decode step, minispec beside its peers on the same file: the kept 1.5B's decode step, its passes
 of 5 and 9 rows (a verify pass of 4 and 8 drafts, every row's logits) and a 64-token prefill, for each product
-built (ik_llama.cpp's row-tiled one and llama.cpp's; ik's also with the blocks in PyTorch, minispec.fused off),
+built (ik_llama.cpp's row-tiled one, with minispec's own 16-row tiles for Q4_K and Q6_K where the CPU has AVX-512
+VNNI, and with ik's interleaved forms instead, MINISPEC_FORM=ik; llama.cpp's; the first also with the blocks in
+PyTorch, minispec.fused off),
 interleaved round by round with llama-bench's tg32 / pp5 / pp9 / pp64 from llama.cpp mainline and from
 ik_llama.cpp (plain and with -rtr 1, its row-interleaved forms); medians, in ms a pass, and each engine's passes
 in its own decode steps.
@@ -76,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ["MINISPEC_THREADS"] = str(args.threads)
     models = {}
-    for product in ("iqk", "ggml"):
-        os.environ["MINISPEC_PRODUCT"] = product
-        models[f"minispec {product}"] = Transformer.from_pretrained(TARGET)
-    del os.environ["MINISPEC_PRODUCT"]
+    for name, product, form in (("minispec iqk", "iqk", ""), ("minispec iqk, ik's forms", "iqk", "ik"),
+                                ("minispec ggml", "ggml", "")):
+        os.environ["MINISPEC_PRODUCT"], os.environ["MINISPEC_FORM"] = product, form
+        models[name] = Transformer.from_pretrained(TARGET)
+    del os.environ["MINISPEC_PRODUCT"], os.environ["MINISPEC_FORM"]
     # the same model with its blocks in PyTorch, one call a product (minispec.fused off): what the compiled blocks save
     models["minispec iqk, PyTorch blocks"] = models["minispec iqk"]
     prompt = models["minispec iqk"].tokenizer.encode(PROMPT)[:80]
