@@ -26,6 +26,7 @@ from . import draft_loader
 from .config import DTYPES
 from .drafters import PROMPT_LOOKUP
 from .equivalence import DEFAULTS, MIN_SAMPLES, ORDERS, EquivalenceInputError, audit, audit_samples, plot_report
+from .equivalence.drawing import SERVER_MAX_SEED
 from .equivalence.http import REQUEST_S, ServerError, base_url
 from .equivalence.llama_server import CONCURRENCY as LLAMA_CPP_CONCURRENCY
 from .equivalence.samples import check_output_path, open_regular
@@ -364,7 +365,9 @@ def _add_sample_args(p: argparse.ArgumentParser, d: dict) -> None:
                    help="--engine minispec: instead of --k, a token tree per round (children per depth, e.g. 2,2,2; "
                         "WxD, e.g. 4x4: placed by the draft), or 'auto' (a chain or a tree chosen each round from "
                         "measured costs)")
-    p.add_argument("--seed", type=int_at_least(0), metavar="S", default=0, help="sample g uses seed + g (default 0)")
+    p.add_argument("--seed", type=int_at_least(0), metavar="S", default=0,
+                   help="sample g uses seed + g (default 0); each engine takes seeds up to its own bound (a server "
+                        f"engine {SERVER_MAX_SEED}, minispec and transformers {MAX_SEED})")
     p.add_argument("--sampler", choices=list(SAMPLERS), metavar="NAME",
                    help=f"{' | '.join(SAMPLERS)}: the broken ones are negative controls the test must reject")
 
