@@ -46,7 +46,7 @@ def llama_timings(resp, tokens: int, where: str, path: str, absent=(0, 0)) -> tu
     n, a = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
     for name, v in (("draft_n", n), ("draft_n_accepted", a)):
         if not is_int(v) or not 0 <= v <= MAX_DRAFT_COUNT:
-            raise ServerError(f"{where}: {path}'s timings.{name} is {show(v)}, not a count of draft tokens "
+            raise ServerError(f"{where}: the {path} answer's timings.{name} is {show(v)}, not a count of draft tokens "
                               f"(an integer in [0, {MAX_DRAFT_COUNT}])")
     checked(n, a, "timings.draft_n_accepted of timings.draft_n", where)
     if a > tokens:
