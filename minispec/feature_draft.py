@@ -32,7 +32,7 @@ from .drafters import Drafter, add_picks, as_proposal, draw_exact, draw_step
 from .errors import GenerationError, is_int, show
 from .forms import GgmlWeight, Int4Weight, int4_supported, set_weight
 from .model import Block, RMSNorm, Transformer
-from .threads import products_at
+from .threads import caller_threads, products_at
 
 KIND = "feature-draft"  # config.json's "kind" for a feature draft directory
 
@@ -111,7 +111,7 @@ class FeatureDraft(nn.Module):
             meta.mask = torch.zeros(meta.mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~meta.mask, float("-inf"))
         # with compiled products (to_blocks): they run on their own threads and PyTorch at one meanwhile
-        blocks = torch.get_num_threads() if getattr(self, "blocks", None) else None
+        blocks = caller_threads() if getattr(self, "blocks", None) else None
         with kernels.resolved(), products_at(blocks):
             pred = self.forward_states(pad(states).view(-1, T, D), pad(embeds).view(-1, T, D), cache.kv[0], meta,
                                        meta.positions)

@@ -20,6 +20,7 @@ from .errors import (
     resolve_stop_tokens,
 )
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample
+from .threads import as_caller, decoding_loop
 
 OnTokens = Callable[[int, list[int]], None]  # (index of the sequence in the batch, newly committed tokens)
 
@@ -47,29 +48,30 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     active = [i for i in range(len(batch)) if budget[i] > 0]
     if not active:
         return out[0] if single else out
-    cache = model.new_cache(block_size=block_size)  # grows by blocks as the sequences do; nothing reserved up front
-    gens = make_generators(seed, len(batch))
-    seqs = {i: cache.new_sequence() for i in active}
-    logits = model.step(cache, [seqs[i] for i in active], [batch[i] for i in active])  # prefill: (B, vocab)
-    while active:
-        if params.greedy:  # the one-hot distribution's only token: no need to build and sample it
-            check_logits(logits)  # NaN logits would otherwise "pick" the NaN's index
-            picks = logits.argmax(-1).tolist()
-        else:
-            probs = logits_to_probs(logits, params)
-            picks = [sample(probs[row], gens[i]) for row, i in enumerate(active)]
-        still, next_tokens = [], []
-        for row, i in enumerate(active):
-            tok = picks[row]
-            out[i].append(tok)
-            if on_tokens is not None:
-                on_tokens(i, [tok])
-            if tok in stops or len(out[i]) >= budget[i]:
-                cache.free(seqs[i])
+    with decoding_loop():  # PyTorch at one thread between the steps
+        cache = model.new_cache(block_size=block_size)  # grows by blocks as the sequences do; nothing reserved up front
+        gens = make_generators(seed, len(batch))
+        seqs = {i: cache.new_sequence() for i in active}
+        logits = model.step(cache, [seqs[i] for i in active], [batch[i] for i in active])  # prefill: (B, vocab)
+        while active:
+            if params.greedy:  # the one-hot distribution's only token: no need to build and sample it
+                check_logits(logits)  # NaN logits would otherwise "pick" the NaN's index
+                picks = logits.argmax(-1).tolist()
             else:
-                still.append(i)
-                next_tokens.append([tok])
-        active = still
-        if active:
-            logits = model.step(cache, [seqs[i] for i in active], next_tokens)
+                probs = logits_to_probs(logits, params)
+                picks = [sample(probs[row], gens[i]) for row, i in enumerate(active)]
+            still, next_tokens = [], []
+            for row, i in enumerate(active):
+                tok = picks[row]
+                out[i].append(tok)
+                if on_tokens is not None:
+                    as_caller(on_tokens, i, [tok])
+                if tok in stops or len(out[i]) >= budget[i]:
+                    cache.free(seqs[i])
+                else:
+                    still.append(i)
+                    next_tokens.append([tok])
+            active = still
+            if active:
+                logits = model.step(cache, [seqs[i] for i in active], next_tokens)
     return out[0] if single else out

@@ -38,6 +38,7 @@ from .errors import (
 from .generate import OnTokens
 from .sampling import SamplingParams, logits_to_probs, make_generators, sample_rows
 from .schedule import K_UNSET, Outcome, Plan, check_plan, make_schedule
+from .threads import as_caller, decoding_loop
 from .tree import AdaptiveTree, DynamicTree, chain, check_tree_proposal, depths, fitting, tree_size
 
 
@@ -447,7 +448,7 @@ class _Run:
             self.contexts[i] += new
             self.stats.record_row(prop.parents[b], len(path), len(new))
             if self.on_tokens is not None:
-                self.on_tokens(i, list(new))  # a copy: a callback that edits its list changes nothing here
+                as_caller(self.on_tokens, i, list(new))  # a copy: a callback that edits its list changes nothing here
             # a chain's caches roll back to what agrees; a tree's first keep the path (a chain drafter knows no path)
             self.tgt.commit(i, new, path if prop.tree else None)
             self.drafter.commit(i, new, path) if prop.tree else self.drafter.commit(i, new)
@@ -490,16 +491,17 @@ def speculate(target, draft, prompts, k: int | str | AdaptiveK = K_UNSET, max_ne
 
     Each round: the schedule chooses, the drafter proposes, the target verifies, the round commits, the schedule
     observes (minispec.schedule; docs/design.md, "One speculative round")."""
-    run = _Run(target, draft, prompts, k, tree, SamplingParams(temperature, top_k, top_p), seed, max_new_tokens,
-               stop_tokens, on_tokens, block_size, sampler, keep_caches)
-    while run.active:
-        plan = run.schedule.choose()
-        t0 = time.perf_counter()
-        prop = run.propose(plan)
-        t1 = time.perf_counter()
-        verdict = run.verify(prop)
-        run.commit(prop, verdict)
-        t2 = time.perf_counter()
-        run.schedule.observe(run.outcome(plan, prop, verdict, t1 - t0, t2 - t1))  # before the round is counted
-        run.stats.record_round(plan, t1 - t0, t2 - t1)
-    return run.result()
+    with decoding_loop():  # PyTorch at one thread between the steps
+        run = _Run(target, draft, prompts, k, tree, SamplingParams(temperature, top_k, top_p), seed, max_new_tokens,
+                   stop_tokens, on_tokens, block_size, sampler, keep_caches)
+        while run.active:
+            plan = run.schedule.choose()
+            t0 = time.perf_counter()
+            prop = run.propose(plan)
+            t1 = time.perf_counter()
+            verdict = run.verify(prop)
+            run.commit(prop, verdict)
+            t2 = time.perf_counter()
+            run.schedule.observe(run.outcome(plan, prop, verdict, t1 - t0, t2 - t1))  # before the round is counted
+            run.stats.record_round(plan, t1 - t0, t2 - t1)
+        return run.result()

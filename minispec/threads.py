@@ -157,13 +157,14 @@ class ThreadTuner:
     def step(self, kind: tuple):
         """Run one step of this kind with the chosen thread count, within the caller's count (the ceiling),
         record its time, and set the caller's count back."""
-        caller = self.get_threads()
+        current = self.get_threads()
+        caller = getattr(_local, "caller", None) or current  # a decoding loop's count (decoding_loop), else PyTorch's
         # one lock over the shared ceiling and tables: steps of other threads (a server's pool) would otherwise
         # swap the ceiling between this one's set_ceiling and choose, and run it above its caller's count
         with self.lock:
             self.set_ceiling(self.max_threads or caller)
             ceiling, n = self.ceiling, self.choose(kind)
-        with at_threads(n, caller, self.set_threads):
+        with at_threads(n, current, self.set_threads):
             t0 = self.clock()
             yield n
             seconds = self.clock() - t0
@@ -206,8 +207,38 @@ def products_at(n: int | None):
 
 
 def product_threads() -> int:
-    """The thread count a compiled product runs at here: the step's (`products_at`), else PyTorch's."""
-    return getattr(_local, "threads", None) or torch.get_num_threads()
+    """The thread count a compiled product runs at here: the step's (`products_at`), else the caller's."""
+    return getattr(_local, "threads", None) or caller_threads()
+
+
+def caller_threads() -> int:
+    """The caller's thread count: the one its decoding loop was called with (`decoding_loop`), else PyTorch's now."""
+    return getattr(_local, "caller", None) or torch.get_num_threads()
+
+
+@contextmanager
+def decoding_loop():
+    """generate's and speculate's loops: PyTorch at one thread between the steps (the logits' checks, sampling, the
+    acceptance test), whose OpenMP threads would otherwise spin after each of those small regions on the cores
+    the next step's compiled products need (the kept 1.5B's decode steps took 1.2x as long inside generate as
+    alone, measured); each step still runs within the caller's count (`caller_threads`), set back at the end.
+    A loop inside another keeps the outer one's count; the caller's callbacks run at its count (`as_caller`)."""
+    if getattr(_local, "caller", None) is not None:
+        yield
+        return
+    caller = torch.get_num_threads()
+    _local.caller = caller
+    try:
+        with at_threads(1, caller):
+            yield
+    finally:
+        _local.caller = None
+
+
+def as_caller(fn, *args):
+    """fn(*args) with PyTorch at the caller's thread count (a user's callback inside a decoding loop)."""
+    with at_threads(caller_threads(), torch.get_num_threads()):
+        return fn(*args)
 
 
 def idle_seconds(path: str = "/proc/stat"):
@@ -258,7 +289,7 @@ def fixed_threads() -> int | None:
 
 def ceiling() -> int:
     """The most threads a CPU step of minispec may use now: MINISPEC_THREADS when set, else the caller's count."""
-    return fixed_threads() or torch.get_num_threads()
+    return fixed_threads() or caller_threads()
 
 
 TUNER = ThreadTuner(idle=idle_seconds())  # every CPU step of every model in this process

@@ -251,6 +251,36 @@ def test_minispec_threads_fixes_the_count_of_every_step_and_sets_the_callers_bac
         assert torch.get_num_threads() == 2
 
 
+def test_a_decoding_loop_runs_pytorch_at_one_thread_between_its_steps_and_the_steps_at_the_callers(
+        monkeypatch, callers_threads):
+    monkeypatch.delenv("MINISPEC_THREADS", raising=False)
+    tuner = ThreadTuner(idle=None)
+    monkeypatch.setattr(tuner, "choose", lambda kind: tuner.candidates[0])  # the tuner takes the ceiling
+    monkeypatch.setattr(threads, "TUNER", tuner)
+    target, draft = tiny_model(seed=1), tiny_model(seed=2, n_layers=1)
+    seen = _step_threads(monkeypatch, target, draft)
+    torch.set_num_threads(2)
+    between, called = [], []
+    import minispec.generate as generate_module
+    check = generate_module.check_logits
+    monkeypatch.setattr(generate_module, "check_logits",
+                        lambda logits: between.append(torch.get_num_threads()) or check(logits))
+    target.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, stop_tokens=[],
+                    on_tokens=lambda i, toks: called.append(torch.get_num_threads()))
+    target.speculate(draft, [1, 2, 3], k=3, max_new_tokens=6, temperature=1.0, seed=0, stop_tokens=[],
+                     on_tokens=lambda i, toks: called.append(torch.get_num_threads()))
+    # the steps at the caller's 2, the logits' checks between them at 1, the caller's callbacks at its 2
+    assert len(seen) > 8 and set(seen) == {2} and set(between) == {1} and called and set(called) == {2}
+    assert torch.get_num_threads() == 2 and threads.caller_threads() == 2
+    with threads.decoding_loop():
+        assert torch.get_num_threads() == 1 and threads.caller_threads() == threads.ceiling() == 2
+        with threads.decoding_loop():  # a loop inside another keeps the outer one's count
+            assert threads.caller_threads() == 2
+    with pytest.raises(RuntimeError), threads.decoding_loop():  # set back however it ends
+        raise RuntimeError
+    assert torch.get_num_threads() == 2 and threads.caller_threads() == 2
+
+
 def test_a_bad_environment_does_not_break_import():
     env = dict(os.environ, MINISPEC_THREADS="lots", MINISPEC_KERNELS="fastest")
     code = ("import minispec\n"
