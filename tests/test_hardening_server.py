@@ -157,7 +157,7 @@ def _tiny_target():
 
 
 def draw(url, timeout=1.5, samples=4, **kw):
-    return server_samples(_tiny_target(), ServerClient(url, timeout=timeout, max_bytes=1 << 20), [[1, 3]],
+    return server_samples(_tiny_target(), ServerClient(url, deadline=timeout, max_bytes=1 << 20), [[1, 3]],
                           samples=samples, tokens=3, temperature=1.0, top_k=None, top_p=None,
                           model_check=kw.pop("model_check", False), workers=kw.pop("workers", 2), **kw)
 
@@ -301,12 +301,12 @@ def test_a_kept_target_passes_the_model_check_of_its_own_model(stub, tmp_path):
     # the server computes the same quantized weights (its probabilities are the kept model's) and counts every
     # weight, as llama.cpp's n_params does
     set_routes(**_model_routes(kept, prompt, n_params=sum(p.numel() for p in float_model.parameters())))
-    info = llama_server.check_same_model(ServerClient(url, timeout=10), kept, prompt)
+    info = llama_server.check_same_model(ServerClient(url, deadline=10), kept, prompt)
     assert info["n_params"] == float_model.weight_count() and info["prob_difference"] < 1e-2
     # the control: a server reporting another size is still refused
     set_routes(**_model_routes(kept, prompt, n_params=float_model.weight_count() - 1))
     with pytest.raises(llama_server.ModelMismatchError, match="parameters, the target"):
-        llama_server.check_same_model(ServerClient(url, timeout=10), kept, prompt)
+        llama_server.check_same_model(ServerClient(url, deadline=10), kept, prompt)
 
 
 @pytest.mark.parametrize("logprob, n_params, match", [
@@ -318,7 +318,7 @@ def test_model_check_answers_are_checked(stub, tmp_path, logprob, n_params, matc
     float_model, kept = _kept_target(tmp_path)
     set_routes(**_model_routes(kept, [1, 3, 4], n_params=n_params, logprob=logprob))
     with pytest.raises(ServerError, match=match) as e:
-        llama_server.check_same_model(ServerClient(url, timeout=10), kept, [1, 3, 4])
+        llama_server.check_same_model(ServerClient(url, deadline=10), kept, [1, 3, 4])
     one_line(e)
 
 
@@ -406,7 +406,7 @@ def test_ctrl_c_ends_an_audit_within_seconds_with_one_line(stub, target_dir, stu
 @pytest.mark.parametrize("kw, match", [(dict(port=0), "port must be an integer >= 1 and <= 65535, got 0"),
                                        (dict(port=70000), "port must be .*, got 70000"),
                                        (dict(k=10**6), "k must be an integer >= 1 and <= 64"),
-                                       (dict(timeout=float("nan")), "timeout must be a positive, finite")])
+                                       (dict(deadline=float("nan")), "deadline must be a positive, finite")])
 def test_server_settings_are_checked_before_anything_starts(tmp_path, kw, match):
     with pytest.raises(ServerError, match=match) as e:
         llama_server.LlamaServer(tmp_path / "m.gguf", binary=tmp_path / "absent", **kw)

@@ -130,7 +130,7 @@ def _target():
 
 def test_fake_server_samples_map_to_a_sample_set(fake):
     handler, url = fake
-    client = ServerClient(url, timeout=10)
+    client = ServerClient(url, deadline=10)
     s = server_samples(_target(), client, [[1, 3], [1, 4]], samples=6, tokens=3, temperature=0.7, top_k=None,
                        top_p=None, seed=5, model_check=False, workers=3)
     assert s.prompts == [[1, 3], [1, 4]] and s.counts == [6, 6]
@@ -145,7 +145,7 @@ def test_fake_server_failures_are_one_line(fake, mode, match):
     handler, url = fake
     handler.mode = mode
     with pytest.raises(ServerError, match=match) as e:
-        server_samples(_target(), ServerClient(url, timeout=0.5), [[1, 3]], samples=4, tokens=3, temperature=1.0,
+        server_samples(_target(), ServerClient(url, deadline=0.5), [[1, 3]], samples=4, tokens=3, temperature=1.0,
                        top_k=None, top_p=None, model_check=False, workers=2)
     one_line(e)
 
@@ -153,7 +153,7 @@ def test_fake_server_failures_are_one_line(fake, mode, match):
 def test_unreachable_url_and_bad_url():
     port = _closed_port()
     with pytest.raises(ServerError, match="failed") as e:
-        ServerClient(f"http://127.0.0.1:{port}", timeout=2).get("/health")
+        ServerClient(f"http://127.0.0.1:{port}", deadline=2).get("/health")
     one_line(e)
     with pytest.raises(ServerError, match="not an http"):
         ServerClient("ftp://x")

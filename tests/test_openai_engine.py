@@ -341,7 +341,7 @@ def test_llama_servers_native_completion_is_a_kind_of_endpoint(stubs):
     assert drawn.samples.settings["engine"] == "llama.cpp" and 0 < drawn.accepted <= drawn.drafted
     assert drawn.samples.settings["speculation"]["acceptance_rate"] == drawn.accepted / drawn.drafted
     assert audit_samples(stub.target, drawn.samples, reference=False, **FAST).passed
-    same = llama_server.server_samples(stub.target, llama_server.ServerClient(stub.url, timeout=30.0), PROMPTS,
+    same = llama_server.server_samples(stub.target, llama_server.ServerClient(stub.url, deadline=30.0), PROMPTS,
                                        samples=100, tokens=T, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
                                        top_p=None, seed=7, workers=2)
     assert same.tokens == drawn.samples.tokens and same.settings["engine_version"] == "b0-stub"

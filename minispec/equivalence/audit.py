@@ -252,12 +252,12 @@ def _server_audit(args, target, prompts: list[list[int]], test: dict):
               top_p=args.top_p, seed=args.seed, model_check=not args.no_model_check, progress=True,
               workers=args.concurrency or LLAMA_CPP_CONCURRENCY)
     if args.url is not None:
-        return audit_samples(target, server_drawing(target, ServerClient(args.url, timeout=args.request_timeout),
+        return audit_samples(target, server_drawing(target, ServerClient(args.url, deadline=args.request_timeout),
                                                     prompts, **kw), **test)
     k = args.k if args.server_draft is not None else 0
     with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
                      ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or LLAMA_CPP_CONCURRENCY,
-                     timeout=args.request_timeout) as server:
+                     deadline=args.request_timeout) as server:
         drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
         return audit_samples(target, drawing, **test)
 
@@ -273,11 +273,11 @@ def _urls(args, prompts: list[list[int]], concurrency: int, stack: contextlib.Ex
     ctx = context_size(prompts, args.tokens, args.k if args.server_draft is not None else 0)
     started = stack.enter_context(LlamaServer(args.server_model, args.server_draft, k=args.k,
                                               threads=args.server_threads, ctx_size=ctx, parallel=concurrency,
-                                              timeout=args.request_timeout))
+                                              deadline=args.request_timeout))
     if args.reference_url is not None:
         return started.client.url + "/v1", args.reference_url + "/v1"
     plain = stack.enter_context(LlamaServer(args.server_model, None, threads=args.server_threads, ctx_size=ctx,
-                                            parallel=concurrency, timeout=args.request_timeout))
+                                            parallel=concurrency, deadline=args.request_timeout))
     return started.client.url + "/v1", plain.client.url + "/v1"
 
 

@@ -124,35 +124,35 @@ def check_port_free(host: str, port: int) -> None:
 
 
 class ServerClient:
-    """JSON over HTTP to a llama-server at `url` (minispec.equivalence.http: each answer bounded by `timeout`
+    """JSON over HTTP to a llama-server at `url` (minispec.equivalence.http: each answer bounded by `deadline`
     seconds in all and `max_bytes` bytes); every failure is a ServerError naming the server.
 
     `alive` (optional) says whether the server process still runs, so that a crash reads as a crash rather than
     as a refused connection."""
 
-    def __init__(self, url: str, timeout: float = REQUEST_S, alive=None, max_bytes: int = MAX_BYTES):
+    def __init__(self, url: str, deadline: float = REQUEST_S, alive=None, max_bytes: int = MAX_BYTES):
         self.url = base_url(url)
-        self.timeout = check_seconds(timeout, "the server's request timeout")
+        self.deadline = check_seconds(deadline, "the server's request deadline")
         self.max_bytes = check_int("max_bytes", max_bytes, 1, error=ServerError)
         self.alive = alive
         self.name = f"{BINARY} at {self.url}"
 
-    def request(self, method: str, path: str, body=None, timeout: float | None = None, grace: float = 2.0,
+    def request(self, method: str, path: str, body=None, deadline: float | None = None, grace: float = 2.0,
                 cancel: Cancel | None = None):
         """The JSON answer; grace: seconds to let a server whose connection broke finish exiting (a crash)."""
         try:
-            return get_json(f"{self.url}{path}", body, method=method, deadline=timeout or self.timeout,
+            return get_json(f"{self.url}{path}", body, method=method, deadline=deadline or self.deadline,
                             max_bytes=self.max_bytes, server_name=self.name, cancel=cancel)
         except ServerUnreachable:
             if self.alive is not None and not self.alive(grace):
                 raise ServerError(f"llama-server exited during {method} {self.url}{path}: {self.alive.why()}") from None
             raise
 
-    def get(self, path: str, timeout: float | None = None):
-        return self.request("GET", path, timeout=timeout or min(self.timeout, SMALL_REQUEST_S))
+    def get(self, path: str, deadline: float | None = None):
+        return self.request("GET", path, deadline=deadline or min(self.deadline, SMALL_REQUEST_S))
 
-    def post(self, path: str, body, timeout: float | None = None, cancel: Cancel | None = None):
-        return self.request("POST", path, body, timeout=timeout, cancel=cancel)
+    def post(self, path: str, body, deadline: float | None = None, cancel: Cancel | None = None):
+        return self.request("POST", path, body, deadline=deadline, cancel=cancel)
 
     def wait_healthy(self, timeout: float) -> None:
         """Until /health answers {"status": "ok"} (a loading server answers 503), or ServerError after `timeout`."""
@@ -160,7 +160,7 @@ class ServerClient:
         last = "no answer"
         while True:
             try:
-                answer = self.request("GET", "/health", timeout=5, grace=0.0)
+                answer = self.request("GET", "/health", deadline=5, grace=0.0)
                 if isinstance(answer, dict) and answer.get("status") == "ok":
                     return
             except ServerError as e:
@@ -223,13 +223,13 @@ class LlamaServer:
 
     model / draft: GGUF files (draft None: plain sampling); k: the maximum draft length; parallel: slots (concurrent
     sequences); ctx_size: context per slot; threads: CPU threads (None: llama.cpp's default); port: None picks a free
-    one; startup_timeout: seconds to become healthy (loading a model); timeout: seconds per request (its whole
+    one; startup_timeout: seconds to become healthy (loading a model); deadline: seconds per request (its whole
     answer). Every value is checked here, before anything starts.
     """
 
     def __init__(self, model, draft=None, k: int = 4, parallel: int = CONCURRENCY, ctx_size: int = 512,
                  threads: int | None = None, port: int | None = None, binary=None, host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0, timeout: float = REQUEST_S, extra_args=()):
+                 startup_timeout: float = 300.0, deadline: float = REQUEST_S, extra_args=()):
         check_int("k", k, 1, MAX_K, error=ServerError)
         check_int("parallel", parallel, 1, error=ServerError)
         check_int("ctx_size", ctx_size, 1, error=ServerError)
@@ -238,7 +238,7 @@ class LlamaServer:
         if port is not None:
             check_port(port)
         check_seconds(startup_timeout, "startup_timeout")
-        check_seconds(timeout, "timeout")
+        check_seconds(deadline, "deadline")
         self.binary = find_binary(binary)
         for what, path in (("model", model), ("draft model", draft)):
             if path is not None and not Path(path).is_file():
@@ -246,7 +246,7 @@ class LlamaServer:
         self.model, self.draft, self.k, self.parallel = str(model), draft and str(draft), k, parallel
         self.host, self.port = host, port
         self.ctx_size, self.threads, self.extra_args = ctx_size, threads, list(extra_args)
-        self.startup_timeout, self.timeout = startup_timeout, timeout
+        self.startup_timeout, self.deadline = startup_timeout, deadline
         self.proc: subprocess.Popen | None = None
         self.client: ServerClient | None = None
         self._logdir = None
@@ -286,7 +286,7 @@ class LlamaServer:
             self._logdir.cleanup()
             raise ServerError(f"cannot start {self.binary}: {e.strerror or e}") from None
         alive = _Alive(self.proc, log)
-        self.client = ServerClient(f"http://{self.host}:{self.port}", self.timeout, alive)
+        self.client = ServerClient(f"http://{self.host}:{self.port}", self.deadline, alive)
         try:
             self.client.wait_healthy(self.startup_timeout)
         except BaseException:
@@ -443,8 +443,8 @@ class Endpoint(EndpointBase):
 
     def __init__(self, url: str, deadline: float = REQUEST_S, cancel: Cancel | None = None,
                  client: ServerClient | None = None):
-        self.client = client or ServerClient(url, timeout=deadline)
-        super().__init__(self.client.url, self.client.name, self.client.timeout, cancel)
+        self.client = client or ServerClient(url, deadline=deadline)
+        super().__init__(self.client.url, self.client.name, self.client.deadline, cancel)
 
     @property
     def stated(self) -> dict:
