@@ -33,7 +33,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned: 2.13.0 is the CPU build on disk here (an unpinned torch pulls a CUDA build)
-$(STAMP): pyproject.toml setup.py native/ggml_shim.c native/iqk_shim.c native/iqk_stubs.cpp native/ms_pool.h native/ms_layer.h native/ms_rows.h | $(PY)
+$(STAMP): pyproject.toml setup.py native/ggml_shim.c native/iqk_shim.c native/iqk_stubs.cpp native/ms_pool.h native/ms_layer.h native/ms_rows.h native/ms_ggml.h | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'

@@ -20,6 +20,7 @@
 #include "ggml.h"
 #include "ms_pool.h"
 #include "ms_layer.h"
+#include "ms_ggml.h"
 #include "ms_rows.h"
 
 // ik_llama.cpp's entry point (ggml/src/iqk/iqk_mul_mat.h, extern "C", linked from the static ggml): C (Ny, Nx) =
@@ -154,15 +155,5 @@ int ms_dequantize(int type, const void *w, int64_t n, int64_t k, float *out) {
     if (!t.to_float) return -1;
     const size_t row = ggml_row_size((enum ggml_type)type, k);
     for (int64_t r = 0; r < n; r++) t.to_float((const uint8_t *)w + r * row, out + r * k, k);
-    return 0;
-}
-
-// The (n, k) float matrix x as n rows of `type` blocks in out (n * ms_row_size(type, k) bytes), by ggml's own
-// quantizer (ggml_quantize_chunk). Returns 0, or -1 for a type this does not take (only the plain block types
-// without an importance matrix: Q8_0, Q4_0, Q5_0, ...).
-int ms_quantize(int type, const float *x, int64_t n, int64_t k, void *out) {
-    if (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_0 && type != GGML_TYPE_Q5_0) return -1;
-    if (k % ggml_blck_size((enum ggml_type)type)) return -1;
-    ggml_quantize_chunk((enum ggml_type)type, x, out, 0, n, k, NULL);
     return 0;
 }

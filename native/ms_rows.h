@@ -236,6 +236,15 @@ static inline __attribute__((always_inline)) void ms_q6k_rows(const int G, const
 #define MS_Q4K_GROUP 8
 #define MS_Q6K_GROUP 4
 
+// The rows in groups of at most `most`, as even as possible (9 rows: 5 + 4), each through the case of its size
+// (r0 its first row): every row's instructions are the same in any group.
+#define MS_GROUPS(most, cases)                                         \
+    for (int64_t gi = 0, groups = (rows + (most) - 1) / (most), r0 = 0; gi < groups; gi++) { \
+        const int64_t G = (rows - r0) / (groups - gi);                 \
+        switch (G) { cases }                                           \
+        r0 += G;                                                       \
+    }
+
 static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, int64_t rows, float *acc, int64_t pf) {
     for (int64_t sb = 0; sb < nb; sb++) {
         const uint8_t *blk = w + sb * MS_TILE * MS_Q4_K_BYTES, *P = blk + 64;
@@ -260,18 +269,10 @@ static void ms_q4k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, i
         __m512i SC[8], MP[4];
         for (int j = 0; j < 8; j++) SC[j] = ms_pairs_u8(sc[j], sc[j]);
         for (int i = 0; i < 4; i++) MP[i] = ms_pairs_u8(m[2 * i], m[2 * i + 1]);
-        // groups as even as possible (9 rows: 5 + 4), each row's instructions the same in any group
-        const int64_t groups = (rows + MS_Q4K_GROUP - 1) / MS_Q4K_GROUP;
-        for (int64_t gi = 0, r0 = 0; gi < groups; gi++) {
-            const int64_t G = (rows - r0) / (groups - gi);
-            switch (G) {
 #define MS_CASE(n) \
     case n: ms_q4k_rows(n, blk, SC, MP, d, dm, x + r0, sb, acc + 16 * r0, pf); break;
-                MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(5) MS_CASE(6) MS_CASE(7) MS_CASE(8)
+        MS_GROUPS(MS_Q4K_GROUP, MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(5) MS_CASE(6) MS_CASE(7) MS_CASE(8))
 #undef MS_CASE
-            }
-            r0 += G;
-        }
     }
 }
 
@@ -284,17 +285,10 @@ static void ms_q6k_tile(const uint8_t *w, int64_t nb, const struct ms_xrow *x, i
         __m512i SC[16], SP[8];
         for (int j = 0; j < 16; j++) SC[j] = ms_pairs_i8(sc[j], sc[j]);
         for (int i = 0; i < 8; i++) SP[i] = ms_pairs_i8(sc[2 * i], sc[2 * i + 1]);
-        const int64_t groups = (rows + MS_Q6K_GROUP - 1) / MS_Q6K_GROUP;
-        for (int64_t gi = 0, r0 = 0; gi < groups; gi++) {
-            const int64_t G = (rows - r0) / (groups - gi);
-            switch (G) {
 #define MS_CASE(n) \
     case n: ms_q6k_rows(n, blk, SC, SP, d, x + r0, sb, acc + 16 * r0, pf); break;
-                MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4)
+        MS_GROUPS(MS_Q6K_GROUP, MS_CASE(1) MS_CASE(2) MS_CASE(3) MS_CASE(4))
 #undef MS_CASE
-            }
-            r0 += G;
-        }
     }
 }
 
