@@ -1,19 +1,21 @@
 // minispec's own row-tiled product for Q4_K and Q6_K matrices on CPUs with AVX-512 VNNI: the weights interleaved
 // sixteen rows to a tile at load, so that one 512-bit register holds four consecutive values of each of 16 weight
-// rows; a dot with an activation row is then one vpdpbusd against four of that row's int8 values broadcast, and the
-// 16 outputs of a tile come out in one register. Each weight block is unpacked once (nibbles and high bits) for a
-// group of up to 8 activation rows (4 for Q6_K), while the rows' accumulators stay in registers: the product's
-// arithmetic per value falls toward one multiply-add instruction per 64, shared by all rows of a verify pass.
+// rows; a dot with an activation row is then one vpmaddubsw against four of that row's int8 values broadcast, and
+// the 16 outputs of a tile come out in one register. Each weight block is unpacked once (nibbles and high bits) for
+// a group of up to 8 activation rows (4 for Q6_K), while the rows' accumulators stay in registers, so the unpacking
+// is shared by the rows of a verify pass. (The instructions are AVX-512 BW's; the build asks for VNNI too, the
+// CPUs this was measured on.)
 //
 // Row independence by construction: every activation row gets the same instructions in the same order whatever
-// the group it falls in or the number of rows (its own int32 sums, its own float accumulators), and each output is
-// computed by one thread, so a row's bits depend neither on the pass nor on the thread count (tests/test_ggml.py).
+// the group it falls in or the number of rows (its own integer sums, its own float accumulators), and each output
+// is computed by one thread, so a row's bits depend neither on the pass nor on the thread count (tests/test_ggml.py).
 //
 // The maths (ggml's): a Q4_K value is d sc_j q - dmin m_j (q in 0..15, sub-block j of 32 values); a Q6_K value is
 // d sc_g (q - 32) (q in 0..63, group g of 16). An activation row is quantized alone, per 256 values, to int8 with
-// one float scale dx (round to nearest of x 127 / max|x|), with its sums per 32 values (Q4_K's mins) and 32 times
-// its sums per 16 (Q6_K's offset). A super-block's contribution to an output is then, in float, for Q4_K
-// dx (sum_j (d sc_j) isum_j - sum_j (dmin m_j) bsum_j), for Q6_K dx sum_g (d sc_g) (isum_g - 32 bsum_g).
+// one float scale dx (round to nearest of x 127 / max|x|), with its int16 sums per 16 and per 32 values. A
+// super-block's contribution to an output is then dx (d isc - dmin imin) for Q4_K, isc = sum_j sc_j sum q x and
+// imin = sum_j m_j sum x, and dx d (isc - 32 ioff) for Q6_K, isc = sum_g sc_g sum q x and ioff = sum_g sc_g sum x:
+// the sums exact in int32, the rest in float.
 #ifndef MS_ROWS_H
 #define MS_ROWS_H
 
@@ -69,43 +71,39 @@ static void ms_q8x_quantize(const float *restrict x, int64_t k, uint8_t *restric
 // Q4_K, a tile's super-block (2304 bytes, 16 rows' blocks, in the order the kernel reads them): the 16 rows' d,
 // then their dmin (fp16); the 12 scale bytes as 12 planes of 16 (plane b: byte b of each row); then the nibbles as
 // 32 registers, register (p, g) holding in dword lane r the file's bytes qs[32 p + 4 g .. + 3] of row r (low
-// nibbles: values 64 p + 4 g + t of sub-block 2 p; high nibbles: those of sub-block 2 p + 1).
-static void ms_repack_q4_k(const uint8_t *w, int64_t n, int64_t k, uint8_t *dst) {
-    const int64_t nb = k / 256;
-    for (int64_t t = 0; t < n / MS_TILE; t++)
-        for (int64_t s = 0; s < nb; s++) {
-            uint8_t *o = dst + (t * nb + s) * MS_TILE * MS_Q4_K_BYTES;
-            for (int r = 0; r < MS_TILE; r++) {
-                const uint8_t *b = w + ((t * MS_TILE + r) * nb + s) * MS_Q4_K_BYTES;
-                for (int p = 0; p < 4; p++)
-                    for (int g = 0; g < 8; g++) memcpy(o + 256 + (p * 8 + g) * 64 + 4 * r, b + 16 + 32 * p + 4 * g, 4);
-                for (int j = 0; j < 12; j++) o[64 + j * 16 + r] = b[4 + j];
-                memcpy(o + 2 * r, b, 2);
-                memcpy(o + 32 + 2 * r, b + 2, 2);
-            }
-        }
+// nibbles: values 64 p + 4 g + t of sub-block 2 p; high nibbles: those of sub-block 2 p + 1). Row r's block b goes
+// to the tile's super-block o.
+static void ms_place_q4_k(uint8_t *o, const uint8_t *b, int r) {
+    for (int p = 0; p < 4; p++)
+        for (int g = 0; g < 8; g++) memcpy(o + 256 + (p * 8 + g) * 64 + 4 * r, b + 16 + 32 * p + 4 * g, 4);
+    for (int j = 0; j < 12; j++) o[64 + j * 16 + r] = b[4 + j];
+    memcpy(o + 2 * r, b, 2);
+    memcpy(o + 32 + 2 * r, b + 2, 2);
 }
 
 // Q6_K, a tile's super-block (3360 bytes, in the order the kernel reads them): the 16 rows' d (fp16); the 16
 // scales as 16 planes of 16; then for each (h, g) three registers: the low nibbles (h, 0, g) and (h, 1, g), holding
 // in lane r the bytes ql[64 h + 32 q + 4 g .. + 3] of row r, and the high bit pairs qh[32 h + 4 g .. + 3].
-static void ms_repack_q6_k(const uint8_t *w, int64_t n, int64_t k, uint8_t *dst) {
+static void ms_place_q6_k(uint8_t *o, const uint8_t *b, int r) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 8; g++) {
+            uint8_t *hg = o + 288 + (h * 8 + g) * 192 + 4 * r;
+            for (int q = 0; q < 2; q++) memcpy(hg + 64 * q, b + 64 * h + 32 * q + 4 * g, 4);
+            memcpy(hg + 128, b + 128 + 32 * h + 4 * g, 4);
+        }
+    for (int j = 0; j < 16; j++) o[32 + j * 16 + r] = b[192 + j];
+    memcpy(o + 2 * r, b + 208, 2);
+}
+
+// The (n, k) matrix w of `bytes`-byte blocks into dst, tile after tile, each tile's super-blocks in order, every
+// row's block placed by `place`
+static void ms_interleave(const uint8_t *w, int64_t n, int64_t k, uint8_t *dst, int64_t bytes,
+                          void (*place)(uint8_t *o, const uint8_t *b, int r)) {
     const int64_t nb = k / 256;
     for (int64_t t = 0; t < n / MS_TILE; t++)
-        for (int64_t s = 0; s < nb; s++) {
-            uint8_t *o = dst + (t * nb + s) * MS_TILE * MS_Q6_K_BYTES;
-            for (int r = 0; r < MS_TILE; r++) {
-                const uint8_t *b = w + ((t * MS_TILE + r) * nb + s) * MS_Q6_K_BYTES;
-                for (int h = 0; h < 2; h++)
-                    for (int g = 0; g < 8; g++) {
-                        uint8_t *hg = o + 288 + (h * 8 + g) * 192 + 4 * r;
-                        for (int q = 0; q < 2; q++) memcpy(hg + 64 * q, b + 64 * h + 32 * q + 4 * g, 4);
-                        memcpy(hg + 128, b + 128 + 32 * h + 4 * g, 4);
-                    }
-                for (int j = 0; j < 16; j++) o[32 + j * 16 + r] = b[192 + j];
-                memcpy(o + 2 * r, b + 208, 2);
-            }
-        }
+        for (int64_t s = 0; s < nb; s++)
+            for (int r = 0; r < MS_TILE; r++)
+                place(dst + (t * nb + s) * MS_TILE * bytes, w + ((t * MS_TILE + r) * nb + s) * bytes, r);
 }
 
 static inline __m512i ms_bcast4(const void *p) {
@@ -128,7 +126,7 @@ static inline struct ms_xrow ms_xrow_at(const uint8_t *row, int64_t nb) {
     return x;
 }
 
-// 16 bytes (one a lane) as 16 dword lanes of int16 pairs: (b, b) with `same`, else (b, c) from two planes
+// two planes of 16 bytes (one a lane) as 16 dword lanes of int16 pairs (b, c): (b, b) given the same plane twice
 static inline __m512i ms_pairs_u8(__m128i b, __m128i c) {
     return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b, c), _mm_unpacklo_epi8(b, c)));
 }
@@ -331,8 +329,8 @@ static int ms_rows_form(int type, int64_t n, int64_t k) {
 
 static int ms_rows_repack(int type, const void *w, int64_t n, int64_t k, void *dst) {
     const int form = ms_rows_form(type, n, k);
-    if (form == MS_Q4_K_X16) ms_repack_q4_k((const uint8_t *)w, n, k, (uint8_t *)dst);
-    else if (form == MS_Q6_K_X16) ms_repack_q6_k((const uint8_t *)w, n, k, (uint8_t *)dst);
+    if (form == MS_Q4_K_X16) ms_interleave(w, n, k, dst, MS_Q4_K_BYTES, ms_place_q4_k);
+    else if (form == MS_Q6_K_X16) ms_interleave(w, n, k, dst, MS_Q6_K_BYTES, ms_place_q6_k);
     return form;
 }
 
