@@ -254,12 +254,19 @@ def _server_audit(args, target, prompts: list[list[int]], test: dict):
     if args.url is not None:
         return audit_samples(target, server_drawing(target, ServerClient(args.url, deadline=args.request_timeout),
                                                     prompts, **kw), **test)
-    k = args.k if args.server_draft is not None else 0
-    with LlamaServer(args.server_model, args.server_draft, k=args.k, threads=args.server_threads,
-                     ctx_size=context_size(prompts, args.tokens, k), parallel=args.concurrency or LLAMA_CPP_CONCURRENCY,
-                     deadline=args.request_timeout) as server:
+    with _llama_server(args, prompts, args.concurrency or LLAMA_CPP_CONCURRENCY) as server:
         drawing = server_drawing(target, server.client, prompts, settings=server.settings, **kw)
         return audit_samples(target, drawing, **test)
+
+
+def _llama_server(args, prompts: list[list[int]], parallel: int, reference: bool = False) -> LlamaServer:
+    """The llama-server of --server-model (and --server-draft) as the options ask, or the reference beside it (the
+    same model, plain: speculation off), its context the one the run's prompts and tokens take with --server-draft's
+    k drafted."""
+    ctx = context_size(prompts, args.tokens, args.k if args.server_draft is not None else 0)
+    speculation = {} if reference else {"draft": args.server_draft, "k": args.k}
+    return LlamaServer(args.server_model, **speculation, threads=args.server_threads, ctx_size=ctx,
+                       parallel=parallel, deadline=args.request_timeout)
 
 
 def _urls(args, prompts: list[list[int]], concurrency: int, stack: contextlib.ExitStack) -> tuple[str, str | None]:
@@ -270,14 +277,10 @@ def _urls(args, prompts: list[list[int]], concurrency: int, stack: contextlib.Ex
         return args.url, args.reference_url
     if args.server_model is None:
         return args.url + "/v1", args.reference_url and args.reference_url + "/v1"
-    ctx = context_size(prompts, args.tokens, args.k if args.server_draft is not None else 0)
-    started = stack.enter_context(LlamaServer(args.server_model, args.server_draft, k=args.k,
-                                              threads=args.server_threads, ctx_size=ctx, parallel=concurrency,
-                                              deadline=args.request_timeout))
+    started = stack.enter_context(_llama_server(args, prompts, concurrency))
     if args.reference_url is not None:
         return started.client.url + "/v1", args.reference_url + "/v1"
-    plain = stack.enter_context(LlamaServer(args.server_model, None, threads=args.server_threads, ctx_size=ctx,
-                                            parallel=concurrency, deadline=args.request_timeout))
+    plain = stack.enter_context(_llama_server(args, prompts, concurrency, reference=True))
     return started.client.url + "/v1", plain.client.url + "/v1"
 
 
